@@ -1,0 +1,76 @@
+"""Candidate programs: one Python text with the code that may change between EVOLVE-BLOCK markers.
+
+    # EVOLVE-BLOCK-START
+    CUDA_SRC = r\"\"\" ... extern "C" __global__ kernels using <nccl_device.h> ... \"\"\"
+    def setup(ctx, shape): ...                 # collective: symmetric buffers, dev comms, kernels
+    def run(ctx, state, inputs, out): ...      # writes this rank's result into `out`
+    # EVOLVE-BLOCK-END
+
+Optional: `teardown(ctx, state)`, and `available(ctx) -> str | None` (a reason the program cannot
+run here, e.g. a peer baseline missing from this torch). `run` must leave all its work ordered
+before the current stream (join side streams back) and must not modify `inputs`.
+
+The calling process only parses a program (syntax, markers, functions, the CUDA source as a
+literal, so it can be compiled ahead on CPU cores); it executes programs only inside workers.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import types
+from dataclasses import dataclass
+
+BLOCK_START = "EVOLVE-BLOCK-START"
+BLOCK_END = "EVOLVE-BLOCK-END"
+REQUIRED_FUNCTIONS = ("setup", "run")
+
+
+class ProgramError(ValueError):
+    """The program text is malformed (a compile_error for the cascade)."""
+
+
+@dataclass(frozen=True)
+class ParsedProgram:
+    text: str
+    cuda_sources: dict[str, str]  # module-level string constants whose name ends in CUDA_SRC
+    functions: frozenset[str]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+def parse_program(text: str) -> ParsedProgram:
+    """Check a program's shape without running it."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:
+        raise ProgramError(f"syntax error at line {exc.lineno}: {exc.msg}") from exc
+    starts, ends = text.count(BLOCK_START), text.count(BLOCK_END)
+    if starts != ends or starts == 0:
+        raise ProgramError(f"expected matching {BLOCK_START}/{BLOCK_END} markers, found {starts} and {ends}")
+    if text.index(BLOCK_START) > text.rindex(BLOCK_END):
+        raise ProgramError(f"{BLOCK_END} comes before {BLOCK_START}")
+    functions = frozenset(n.name for n in tree.body if isinstance(n, ast.FunctionDef))
+    missing = [f for f in REQUIRED_FUNCTIONS if f not in functions]
+    if missing:
+        raise ProgramError(f"program does not define {', '.join(missing)}() at module level")
+    sources: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name.endswith("CUDA_SRC"):
+                if not (isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                    raise ProgramError(f"{name} must be a plain string literal so it can be compiled ahead")
+                sources[name] = node.value.value
+    return ParsedProgram(text, sources, functions)
+
+
+def load_program(text: str, name: str = "candidate") -> types.ModuleType:
+    """Execute a program's text as a fresh module (workers only)."""
+    parsed = parse_program(text)
+    module = types.ModuleType(f"commweave_program_{name}_{parsed.digest}")
+    module.__file__ = f"<program {name}>"
+    exec(compile(text, module.__file__, "exec"), module.__dict__)
+    return module

@@ -1,0 +1,213 @@
+"""The handle a candidate program gets on one rank: `ctx`.
+
+It owns this rank's NCCL communicator, its symmetric windows (kept alive and reused across
+candidates, because registering a window is a slow collective), device communicators (per
+candidate, so a broken candidate's barrier state never leaks into the next), compiled modules and
+side streams. Every allocation or creation here that talks to peers is collective: all ranks call
+it with the same arguments in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commweave.runtime.compile import compile_cubin
+from commweave.runtime.launch import Module
+from commweave.runtime.nccl import KERNELS_DIR, Communicator, DevComm, Window
+
+ALLOC_GRANULARITY = 2 << 20  # symmetric allocations are rounded to 2 MiB so they can be reused
+MAX_CACHED_BYTES = 16 << 30  # free windows kept for later candidates, at most
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The operation needs CUDA GPUs and NCCL's device API, and this context has none."""
+
+
+class _DeviceMemory:
+    """Exposes raw device memory to torch through the CUDA array interface (no copy)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None, "stream": None,
+        }
+
+
+@dataclass
+class _SymmetricAllocation:
+    ptr: int
+    nbytes: int
+    window: Window
+    storage: torch.Tensor  # uint8 view over the whole allocation
+
+
+class RankContext:
+    """One rank's runtime: rank, world size, device, streams, symmetric memory, kernels."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, comm: Communicator | None,
+                 cpu_group: Any = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.comm = comm
+        self.cpu_group = cpu_group
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._modules: dict[Path, Module] = {}
+        self._in_use: list[_SymmetricAllocation] = []
+        self._free: list[_SymmetricAllocation] = []
+        self._candidate_dev_comms: list[DevComm] = []
+        self._harness_dev_comm: DevComm | None = None
+        self._peer_ptr_cache: dict[tuple[int, int], list[int]] = {}
+
+    # -- basics ---------------------------------------------------------------------------------
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def group(self) -> Any:
+        """torch.distributed's default group (NCCL on GPUs, gloo on CPU), for host baselines."""
+        return dist.group.WORLD
+
+    @property
+    def group_name(self) -> str:
+        return dist.group.WORLD.group_name
+
+    def _require_device_api(self, what: str) -> Communicator:
+        if self.comm is None:
+            raise RuntimeUnavailable(f"{what} needs CUDA GPUs and NCCL's device API; this rank runs on {self.device}")
+        return self.comm
+
+    def stream(self, name: str) -> torch.cuda.Stream:
+        """A persistent side stream, created once per name."""
+        if not self.is_cuda:
+            raise RuntimeUnavailable(f"stream({name!r}) needs CUDA")
+        if name not in self._streams:
+            self._streams[name] = torch.cuda.Stream(device=self.device)
+        return self._streams[name]
+
+    def barrier(self) -> None:
+        """Host-side barrier across ranks (gloo: never queues work on a GPU stream)."""
+        dist.barrier(group=self.cpu_group)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    # -- kernels --------------------------------------------------------------------------------
+    def compile(self, source: str, label: str = "candidate") -> Module:
+        """Compile (disk-cached by content) and load a CUDA source; kernels are `extern "C"`."""
+        if not self.is_cuda:
+            raise RuntimeUnavailable("compile() needs CUDA")
+        path = compile_cubin(source).path
+        if path not in self._modules:
+            self._modules[path] = Module(path, label)
+        return self._modules[path]
+
+    def _helpers(self) -> Module:
+        return self.compile((KERNELS_DIR / "lsa_helpers.cu").read_text(), "lsa_helpers")
+
+    # -- symmetric memory -----------------------------------------------------------------------
+    def symmetric(self, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+        """A tensor in a window registered on every rank (collective: same shape, same order).
+
+        Zeroed by default, and ranks are lined up afterwards, so no peer writes into it before
+        every rank has cleared it.
+        """
+        comm = self._require_device_api("symmetric()")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = max(1, math.prod(shape)) * itemsize
+        rounded = -(-nbytes // ALLOC_GRANULARITY) * ALLOC_GRANULARITY
+        alloc = next((a for a in self._free if a.nbytes == rounded), None)
+        if alloc is not None:
+            self._free.remove(alloc)
+        else:
+            if sum(a.nbytes for a in self._free) + rounded > MAX_CACHED_BYTES:
+                self._release_free_windows()
+            ptr = comm.mem_alloc(rounded)
+            window = comm.register_window(ptr, rounded)
+            storage = torch.as_tensor(_DeviceMemory(ptr, rounded), device=self.device)
+            alloc = _SymmetricAllocation(ptr, rounded, window, storage)
+        self._in_use.append(alloc)
+        tensor = alloc.storage[:nbytes].view(dtype).view(shape)
+        if zero:
+            alloc.storage.zero_()
+            torch.cuda.synchronize(self.device)
+            self.barrier()
+        return tensor
+
+    def _allocation_of(self, tensor: torch.Tensor) -> _SymmetricAllocation:
+        ptr = tensor.data_ptr()
+        for alloc in self._in_use:
+            if alloc.ptr <= ptr < alloc.ptr + alloc.nbytes:
+                return alloc
+        raise ValueError("tensor is not in a symmetric window: allocate it with ctx.symmetric()")
+
+    def window(self, tensor: torch.Tensor) -> Window:
+        """The window holding `tensor`; `.offset` is the tensor's byte offset in it."""
+        alloc = self._allocation_of(tensor)
+        w = alloc.window
+        return Window(w.handle, w.base_ptr, w.nbytes, offset=tensor.data_ptr() - alloc.ptr)
+
+    def peer_ptrs(self, tensor: torch.Tensor) -> list[int]:
+        """Addresses of `tensor` in every rank's window (index = rank), usable in this process:
+        for Triton or raw-pointer kernels that load/store peers' memory over NVLink."""
+        win = self.window(tensor)
+        key = (win.handle, win.offset)
+        if key not in self._peer_ptr_cache:
+            out = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+            self._helpers().cw_peer_pointers(1, max(32, self.world_size), [win, win.offset, self.world_size, out])
+            self._peer_ptr_cache[key] = [int(x) for x in out.tolist()]
+        return self._peer_ptr_cache[key]
+
+    # -- device communicators -------------------------------------------------------------------
+    def dev_comm(self, lsa_barriers: int = 1, gin_signals: int = 0, gin_counters: int = 0) -> DevComm:
+        """A device communicator for this candidate (collective). `lsa_barriers` = how many CTAs
+        may open LSA barrier sessions at once (index them by blockIdx.x)."""
+        comm = self._require_device_api("dev_comm()")
+        dc = comm.create_dev_comm(lsa_barriers=lsa_barriers, gin_signals=gin_signals, gin_counters=gin_counters)
+        self._candidate_dev_comms.append(dc)
+        return dc
+
+    def device_barrier(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Queue a barrier across all ranks' GPUs on `stream` (default: current)."""
+        comm = self._require_device_api("device_barrier()")
+        if self._harness_dev_comm is None:
+            self._harness_dev_comm = comm.create_dev_comm(lsa_barriers=1)
+        self._helpers().cw_lsa_barrier(1, 128, [self._harness_dev_comm], stream=stream)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def end_candidate(self) -> None:
+        """Give back what a candidate took: windows go to the free list, device comms are destroyed.
+        Deterministic, so every rank's cache stays identical."""
+        self.synchronize()
+        if self.comm is not None:
+            for dc in self._candidate_dev_comms:
+                self.comm.destroy_dev_comm(dc)
+        self._candidate_dev_comms.clear()
+        self._free.extend(self._in_use)
+        self._in_use.clear()
+        self._peer_ptr_cache.clear()
+        for s in self._streams.values():
+            s.synchronize()
+
+    def _release_free_windows(self) -> None:
+        assert self.comm is not None
+        torch.cuda.synchronize(self.device)
+        for alloc in self._free:
+            self.comm.deregister_window(alloc.window)
+            self.comm.mem_free(alloc.ptr)
+        self._free.clear()
+
+    def close(self) -> None:
+        self.end_candidate()
+        if self.comm is not None:
+            self._release_free_windows()
+            self.comm.destroy()
+            self.comm = None

@@ -1,0 +1,104 @@
+"""What a workload is: shapes, inputs, a reference, costs for the floor, and its programs.
+
+A workload folder holds `workload.py` (a `Workload` subclass), `programs/*.py` (the host baseline,
+peer baselines and our device-initiated seed, all written as candidate programs, so baselines go
+through exactly the same correctness checks and timing as candidates) and `NOTES.md` (each
+version's measured numbers). Copy `gemm_allgather/` to add the next one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One problem size, e.g. Shape('8192x8192x8192', {'M': 8192, 'N': 8192, 'K': 8192})."""
+
+    label: str
+    params: Mapping[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> int:
+        return self.params[key]
+
+    def __str__(self) -> str:
+        return self.label
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Per-rank work of one call, for the physical floor."""
+
+    flops: float = 0.0  # matrix-unit floating-point operations
+    comm_bytes: float = 0.0  # bytes this rank must receive from peers
+    memory_bytes: float = 0.0  # bytes this rank must move through its own HBM (each read/write once)
+
+
+class Workload(ABC):
+    """A multi-GPU computation with a reference and the programs that implement it."""
+
+    name: str = ""
+    summary: str = ""
+    dtype: torch.dtype = torch.bfloat16
+    world_sizes: tuple[int, ...] = (2, 4)
+    #: names of programs that are baselines (timed side by side); the first is the fitness baseline
+    baselines: tuple[str, ...] = ("host",)
+    #: the device-initiated program the fast path produces
+    seed: str = "seed"
+
+    @property
+    def programs_dir(self) -> Path:
+        import inspect
+
+        return Path(inspect.getfile(type(self))).parent / "programs"
+
+    def program_names(self) -> list[str]:
+        return sorted(p.stem for p in self.programs_dir.glob("*.py"))
+
+    def program_text(self, name: str) -> str:
+        path = self.programs_dir / f"{name}.py"
+        if not path.exists():
+            raise KeyError(f"workload {self.name!r} has no program {name!r} (has: {', '.join(self.program_names())})")
+        return path.read_text()
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size not in self.world_sizes:
+            sizes = ", ".join(map(str, self.world_sizes))
+            raise ValueError(f"workload {self.name!r} runs on {sizes} GPUs, not {world_size}")
+
+    @abstractmethod
+    def bench_shapes(self, world_size: int) -> list[Shape]:
+        """The shapes `commweave bench` times by default."""
+
+    @abstractmethod
+    def check_shapes(self, world_size: int) -> list[Shape]:
+        """Small shapes for correctness: at least two, one not a multiple of any tile size."""
+
+    @abstractmethod
+    def parse_shape(self, text: str, world_size: int) -> Shape:
+        """A shape from the command line; a clear ValueError for a bad one."""
+
+    @abstractmethod
+    def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """This rank's inputs, a deterministic function of (shape, world_size, rank, seed)."""
+
+    @abstractmethod
+    def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
+        """This rank's output buffer (the harness poisons it before every run)."""
+
+    @abstractmethod
+    def reference(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
+        """This rank's expected output in float32, from freshly generated (pristine) inputs."""
+
+    @abstractmethod
+    def cost(self, shape: Shape, world_size: int) -> Cost:
+        """Per-rank FLOPs and bytes of one call."""
+
+    def tolerance(self) -> float:
+        """Largest accepted relative Frobenius error against the reference."""
+        return {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}.get(self.dtype, 1e-2)
