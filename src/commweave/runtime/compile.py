@@ -78,6 +78,7 @@ def compile_cubin(source: str, extra_flags: tuple[str, ...] = ()) -> CompiledArt
 def compile_host_library(source: str) -> CompiledArtifact:
     """Host-only code -> shared library linked against the NCCL that will be loaded."""
     nccl = find_nccl()
-    flags = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-cudart", "none", f"-I{nccl.include_dir}")
-    tail = (f"-L{nccl.lib_dir}", f"-l:{nccl.library.name}", f"-Xlinker", f"-rpath,{nccl.lib_dir}")
+    # cudart is linked statically: the headers register an (unused) fatbinary at load time.
+    flags = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", f"-I{nccl.include_dir}")
+    tail = (f"-L{nccl.lib_dir}", f"-l:{nccl.library.name}", "-Xlinker", f"-rpath,{nccl.lib_dir}")
     return _run_nvcc(source, "hostlib", flags, ".so", tail)

@@ -39,6 +39,7 @@ def library() -> ctypes.CDLL:
         "ncclCommInitRank": [ctypes.POINTER(vp), i, UniqueId, i],
         "ncclCommDestroy": [vp],
         "ncclCommAbort": [vp],
+        "ncclCommSplit": [vp, i, i, ctypes.POINTER(vp), vp],
         "ncclMemAlloc": [ctypes.POINTER(vp), sz],
         "ncclMemFree": [vp],
         "ncclCommWindowRegister": [vp, vp, sz, ctypes.POINTER(vp), i],
@@ -91,7 +92,7 @@ def version_string() -> str:
 def unique_id() -> bytes:
     uid = UniqueId()
     check(library().ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-    return bytes(uid.internal)
+    return bytes(uid)  # not uid.internal: a c_char array stops at the first NUL
 
 
 @dataclass
@@ -137,8 +138,18 @@ class Communicator:
         if len(uid) != NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"NCCL unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(uid)}")
         comm = ctypes.c_void_p()
-        check(library().ncclCommInitRank(ctypes.byref(comm), n_ranks, UniqueId(uid), rank), "ncclCommInitRank")
+        check(library().ncclCommInitRank(ctypes.byref(comm), n_ranks, UniqueId.from_buffer_copy(uid), rank), "ncclCommInitRank")
         return cls(comm.value, rank, n_ranks)
+
+    def split(self) -> Communicator:
+        """Collective: a new communicator over the same ranks (for probes that may break it)."""
+        comm = ctypes.c_void_p()
+        check(library().ncclCommSplit(self.handle, 0, self.rank, ctypes.byref(comm), None), "ncclCommSplit", self.handle)
+        return Communicator(comm.value, self.rank, self.n_ranks)
+
+    def abort(self) -> None:
+        library().ncclCommAbort(self.handle)
+        self.handle = 0
 
     def mem_alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_void_p()

@@ -163,6 +163,9 @@ def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, e
                 os._exit(3)
     try:
         ctx.close()
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     finally:
         results.close()
         results.join_thread()

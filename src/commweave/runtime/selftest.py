@@ -1,0 +1,67 @@
+"""Jobs that prove the runtime works on a machine: run by `commweave doctor` and the GPU tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commweave.runtime import nccl
+from commweave.runtime.context import RankContext
+from commweave.runtime.nccl import KERNELS_DIR
+
+LSA_ALLREDUCE_CTAS = 8
+
+
+def rdma_devices() -> list[str]:
+    """RDMA-capable NICs the kernel knows (GIN needs one)."""
+    root = Path("/sys/class/infiniband")
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def probe(ctx: RankContext) -> dict[str, Any]:
+    """What this rank's NCCL offers: version, LSA team, and whether GIN works (and why not)."""
+    info: dict[str, Any] = {"rank": ctx.rank, "device": str(ctx.device)}
+    if ctx.comm is None:
+        return {**info, "lsa": False, "gin": False, "gin_reason": "no CUDA device"}
+    info["nccl_loaded"] = nccl.version_string()
+    info["nccl_torch"] = ".".join(map(str, torch.cuda.nccl.version()))
+    info["gpu"] = torch.cuda.get_device_name(ctx.device)
+    dc = ctx.dev_comm(lsa_barriers=1)
+    info.update(lsa=dc.lsa_size > 1, lsa_size=dc.lsa_size, n_ranks=dc.n_ranks)
+    ctx.end_candidate()
+    nics = ", ".join(rdma_devices()) or "none"
+    # A failed GIN request leaves a communicator in an error state: ask on a throwaway split.
+    trial = ctx.comm.split()
+    try:
+        gdc = trial.create_dev_comm(lsa_barriers=0, gin_signals=1)
+        info["gin"] = gdc.gin_contexts > 0
+        info["gin_reason"] = "" if info["gin"] else f"NCCL created no GIN context (RDMA NICs: {nics})"
+        trial.destroy()
+    except nccl.NcclError as exc:
+        info["gin"] = False
+        info["gin_reason"] = f"{exc} (RDMA NICs: {nics})"
+        trial.abort()
+    return info
+
+
+def lsa_allreduce(ctx: RankContext, count: int, seed: int = 0) -> dict[str, Any]:
+    """Sum `count` float32 values across ranks with an LSA kernel and compare with torch's NCCL
+    all_reduce of the same inputs. Returns the max abs difference and whether outputs match."""
+    src = ctx.symmetric((count,), torch.float32)
+    gen = torch.Generator(device=ctx.device).manual_seed(seed * 1000 + ctx.rank)
+    src.copy_(torch.randn(count, generator=gen, device=ctx.device))
+    expected = src.clone()
+    dist.all_reduce(expected)
+    out = torch.full((count,), float("nan"), device=ctx.device)
+    dc = ctx.dev_comm(lsa_barriers=LSA_ALLREDUCE_CTAS)
+    kernel = ctx.compile((KERNELS_DIR / "lsa_allreduce.cu").read_text(), "lsa_allreduce").kernel("cw_lsa_allreduce")
+    win = ctx.window(src)
+    kernel.launch(LSA_ALLREDUCE_CTAS, 256, [win, win.offset, out, count, dc])
+    torch.cuda.synchronize(ctx.device)
+    diff = (out - expected).abs().max().item() if count else 0.0
+    ctx.end_candidate()
+    return {"rank": ctx.rank, "max_abs_diff": diff, "ok": bool(diff <= 1e-5 * max(1.0, ctx.world_size)), "pid": os.getpid()}

@@ -1,0 +1,129 @@
+"""The runtime on CPU: compiles against NCCL's headers, argument packing, pool and watchdog."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from commweave.runtime import WorkerPool
+from commweave.runtime.compile import CompileError, compile_cubin, compile_host_library
+from commweave.runtime.launch import LaunchError, pack_argument
+from commweave.runtime.nccl import KERNELS_DIR, DevComm, Window
+from commweave.runtime.pool import function_path, is_sticky_cuda_error
+from commweave.runtime.toolchain import find_nccl
+
+TESTS = Path(__file__).parent
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+def test_nccl_headers_are_the_pinned_version():
+    nccl = find_nccl()
+    assert (nccl.include_dir / "nccl_device.h").exists()
+    assert nccl.header_version >= 22800
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", sorted(p.name for p in KERNELS_DIR.glob("*.cu") if p.name != "devcomm_shim.cu"))
+def test_runtime_kernels_compile_to_cubin(source):
+    artifact = compile_cubin((KERNELS_DIR / source).read_text())
+    assert artifact.path.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_devcomm_shim_builds_against_loaded_headers_and_reports_its_version():
+    artifact = compile_host_library((KERNELS_DIR / "devcomm_shim.cu").read_text())
+    ctypes.CDLL(str(find_nccl().library), mode=ctypes.RTLD_GLOBAL)
+    shim = ctypes.CDLL(str(artifact.path))
+    assert shim.cw_header_version() == find_nccl().header_version
+    assert shim.cw_devcomm_size() > 64
+
+
+@needs_nvcc
+def test_compile_error_keeps_nvcc_output_verbatim_and_cache_hits():
+    with pytest.raises(CompileError) as err:
+        compile_cubin('extern "C" __global__ void k() { undefined_symbol(); }')
+    assert "undefined_symbol" in err.value.log
+    src = 'extern "C" __global__ void k2(int* p) { p[threadIdx.x] = 1; }'
+    first, second = compile_cubin(src), compile_cubin(src)
+    assert second.cached and first.path == second.path
+
+
+def test_pack_argument_follows_the_kernels_parameter_widths():
+    assert pack_argument(7, 4, 0, "k") == struct.pack("<i", 7)
+    assert pack_argument(-1, 8, 0, "k") == struct.pack("<q", -1)
+    assert pack_argument(1.5, 4, 0, "k") == struct.pack("<f", 1.5)
+    assert pack_argument(ctypes.c_uint16(9), 2, 0, "k") == struct.pack("<H", 9)
+    assert pack_argument(Window(handle=0x1234, base_ptr=0, nbytes=0), 8, 0, "k") == struct.pack("<Q", 0x1234)
+    blob = (ctypes.c_byte * 24)(*range(24))
+    dc = DevComm(blob, 0, 2, 0, 2, 0, 1, 0)
+    assert pack_argument(dc, 24, 0, "k") == bytes(range(24))
+    with pytest.raises(LaunchError, match="argument 3 packs to 24 bytes"):
+        pack_argument(dc, 16, 3, "k")
+    with pytest.raises(LaunchError, match="does not fit"):
+        pack_argument(1 << 40, 4, 1, "k")
+    with pytest.raises(LaunchError, match="unsupported type"):
+        pack_argument("text", 8, 2, "k")
+
+
+def test_sticky_cuda_errors_are_recognised():
+    assert is_sticky_cuda_error("CUDA error: an illegal memory access was encountered")
+    assert not is_sticky_cuda_error("ValueError: shapes do not match")
+
+
+def test_function_path_rejects_local_functions():
+    def local(ctx):
+        return 1
+
+    with pytest.raises(ValueError, match="module-level"):
+        function_path(local)
+    with pytest.raises(ValueError, match="module:function"):
+        function_path("no_colon")
+
+
+@pytest.fixture(scope="module")
+def cpu_pool():
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    with WorkerPool(2, device="cpu", job_timeout_s=30, env=env) as pool:
+        yield pool
+
+
+def test_pool_runs_a_job_on_every_rank(cpu_pool):
+    result = cpu_pool.run("runtime_jobs:rank_sum", offset=10)
+    assert result.ok and result.values == [21.0, 21.0]  # (10 + 0) + (10 + 1)
+
+
+def test_watchdog_reports_timeout_restarts_and_pool_goes_on(cpu_pool):
+    before = cpu_pool.restarts
+    result = cpu_pool.run("runtime_jobs:hang_on_rank0", timeout_s=2)
+    assert result.status == "timeout" and result.restarted
+    assert result.failures[0].error_type == "timeout" and result.values[1] == "done"
+    assert cpu_pool.restarts == before + 1
+    assert cpu_pool.run("runtime_jobs:rank_sum", offset=0).values == [1.0, 1.0]
+
+
+def test_error_on_one_rank_is_reported_with_its_message(cpu_pool):
+    result = cpu_pool.run("runtime_jobs:raise_on_rank1")
+    assert result.status == "error"
+    failure = result.first_failure()
+    assert failure.error_type == "ValueError" and "rank 1 broke" in failure.message
+    assert cpu_pool.run("runtime_jobs:rank_sum", offset=0).ok
+
+
+def test_a_dying_worker_is_reported_as_crashed(cpu_pool):
+    result = cpu_pool.run("runtime_jobs:exit_on_rank0")
+    assert result.status == "error" and result.restarted
+    assert result.first_failure().error_type == "crashed"
+    assert cpu_pool.run("runtime_jobs:rank_sum", offset=0).ok
+
+
+def test_pool_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        WorkerPool(0, device="cpu")
+    with pytest.raises(ValueError, match="device"):
+        WorkerPool(2, device="tpu")  # type: ignore[arg-type]
