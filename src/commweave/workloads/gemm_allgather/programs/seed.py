@@ -1,0 +1,213 @@
+"""Device-initiated seed: LSA push of A's row shards with per-chunk flags, GEMMs chase the flags.
+
+Placement "split": a communication kernel on a side stream pushes this rank's A shard straight
+into every peer's symmetric `a_full` (NVLink stores through `ncclGetLsaPointer`), chunk by chunk,
+and after each chunk bumps a counter in each peer's symmetric `flags`. The current stream first
+multiplies the local shard (it needs nothing), then for every remote (source, chunk) in arrival
+order runs a one-thread kernel that spins until that counter reaches this call's target and a
+cuBLAS GEMM on those rows. Gather and GEMM overlap, and no host synchronization is involved.
+
+Counters are never reset: call number `epoch` waits for `epoch * comm_ctas` (every CTA of the
+producer signals every chunk once per call), so there is no reset to race with. An LSA barrier at
+the start of the push makes sure every rank finished the previous call's GEMMs (which read
+`a_full`) before anyone overwrites it.
+"""
+
+import torch
+
+# EVOLVE-BLOCK-START
+CONFIG = dict(
+    comm_ctas=16,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight)
+    threads=512,  # threads per push CTA
+    chunks=2,  # pieces per shard: more overlap, but more (smaller, less efficient) GEMMs
+)
+
+CUDA_SRC = r"""
+#include <nccl_device.h>
+#include <cuda/atomic>
+#include <cstddef>
+#include <cstdint>
+
+#define CW_MAX_PEERS 7  // NVLink domains of up to 8 GPUs
+#define CW_UNROLL 4     // vectors each thread loads before storing, for memory-level parallelism
+
+using cw_flag = cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>;
+
+// Where one chunk goes: the same byte offset in each peer's window (peers are 4 GiB apart in the
+// LSA flat mapping, so every destination has the same alignment).
+struct CwPeers {
+  char* dst[CW_MAX_PEERS];
+  int count;
+};
+
+// Rows [first, end) of chunk c when `rows` rows are cut into `chunks` pieces (the host uses the
+// same formula; a piece may be empty when rows < chunks).
+__host__ __device__ inline long long cw_chunk_begin(long long rows, int chunks, int c) {
+  return rows * c / chunks;
+}
+
+// Copies n units of V from src to every peer; this thread handles units tid, tid+nthreads, ...
+// src and all destinations must be aligned to sizeof(V).
+template <typename V>
+__host__ __device__ inline void cw_push_units(const char* src, const CwPeers& to, size_t offset, size_t n,
+                                              size_t tid, size_t nthreads) {
+  const V* s = reinterpret_cast<const V*>(src + offset);
+  size_t i = tid;
+  for (; i + (CW_UNROLL - 1) * nthreads < n; i += CW_UNROLL * nthreads) {
+    V v[CW_UNROLL];
+#pragma unroll
+    for (int u = 0; u < CW_UNROLL; u++) v[u] = s[i + u * nthreads];
+#pragma unroll
+    for (int p = 0; p < CW_MAX_PEERS; p++) {
+      if (p < to.count) {
+        V* d = reinterpret_cast<V*>(to.dst[p] + offset);
+#pragma unroll
+        for (int u = 0; u < CW_UNROLL; u++) d[i + u * nthreads] = v[u];
+      }
+    }
+  }
+  for (; i < n; i += nthreads) {
+    V v = s[i];
+#pragma unroll
+    for (int p = 0; p < CW_MAX_PEERS; p++) {
+      if (p < to.count) reinterpret_cast<V*>(to.dst[p] + offset)[i] = v;
+    }
+  }
+}
+
+// Copies nbytes with the widest vector that source and destinations share: bytes up to the first
+// V boundary, then whole Vs, then the remaining bytes.
+template <typename V>
+__host__ __device__ inline void cw_push_aligned(const char* src, const CwPeers& to, size_t nbytes, size_t tid,
+                                                size_t nthreads) {
+  size_t head = (sizeof(V) - reinterpret_cast<uintptr_t>(src) % sizeof(V)) % sizeof(V);
+  if (head > nbytes) head = nbytes;
+  size_t body = (nbytes - head) / sizeof(V);
+  cw_push_units<unsigned char>(src, to, 0, head, tid, nthreads);
+  cw_push_units<V>(src, to, head, body, tid, nthreads);
+  size_t done = head + body * sizeof(V);
+  cw_push_units<unsigned char>(src, to, done, nbytes - done, tid, nthreads);
+}
+
+__host__ __device__ inline void cw_push_bytes(const char* src, const CwPeers& to, size_t nbytes, size_t tid,
+                                              size_t nthreads) {
+  if (to.count == 0 || nbytes == 0) return;
+  uintptr_t mis = reinterpret_cast<uintptr_t>(src) ^ reinterpret_cast<uintptr_t>(to.dst[0]);
+  if (mis % 16 == 0) cw_push_aligned<uint4>(src, to, nbytes, tid, nthreads);
+  else if (mis % 8 == 0) cw_push_aligned<uint2>(src, to, nbytes, tid, nthreads);
+  else if (mis % 4 == 0) cw_push_aligned<unsigned int>(src, to, nbytes, tid, nthreads);
+  else if (mis % 2 == 0) cw_push_aligned<unsigned short>(src, to, nbytes, tid, nthreads);
+  else cw_push_units<unsigned char>(src, to, 0, nbytes, tid, nthreads);
+}
+
+// Pushes this rank's shard (rows x row_bytes, contiguous at a_local) into rows
+// [rank*rows, (rank+1)*rows) of every peer's a_full, chunk by chunk, and after each chunk adds 1
+// to flags[rank*chunks + c] in each peer's window (release, system scope), once per CTA.
+extern "C" __global__ void cw_ag_push(const char* a_local, ncclWindow_t a_win, size_t a_offset,
+                                      ncclWindow_t flag_win, size_t flag_offset, long long rows,
+                                      long long row_bytes, int chunks, ncclDevComm dc) {
+  {
+    // Every rank has finished the previous call's GEMMs (its side stream waited for them before
+    // this kernel), so nobody's a_full is still being read when we start overwriting it.
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dc, ncclTeamLsa(dc), dc.lsaBarrier, blockIdx.x};
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  }
+  const int me = dc.lsaRank, n = dc.lsaSize;
+  const size_t shard_offset = a_offset + (size_t)me * rows * row_bytes;
+  CwPeers to;
+  to.count = n - 1;
+#pragma unroll
+  for (int p = 0; p < CW_MAX_PEERS; p++) {
+    to.dst[p] = p < n - 1 ? (char*)ncclGetLsaPointer(a_win, shard_offset, (me + 1 + p) % n) : nullptr;
+  }
+  const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t nthreads = (size_t)gridDim.x * blockDim.x;
+  for (int c = 0; c < chunks; c++) {
+    long long r0 = cw_chunk_begin(rows, chunks, c), r1 = cw_chunk_begin(rows, chunks, c + 1);
+    CwPeers chunk = to;
+#pragma unroll
+    for (int p = 0; p < CW_MAX_PEERS; p++) {
+      if (p < to.count) chunk.dst[p] += r0 * row_bytes;
+    }
+    cw_push_bytes(a_local + r0 * row_bytes, chunk, (size_t)((r1 - r0) * row_bytes), tid, nthreads);
+    // The whole CTA's stores come before the flag: bar.sync orders them before the release RMW
+    // (cumulativity), the same pattern NCCL's barrier arrive() uses. Empty chunks still signal,
+    // so every counter advances by exactly gridDim.x per call.
+    __syncthreads();
+    if (threadIdx.x < n - 1) {
+      int peer = (me + 1 + threadIdx.x) % n;
+      unsigned long long* flags = (unsigned long long*)ncclGetLsaPointer(flag_win, flag_offset, peer);
+      cw_flag(flags[(size_t)me * chunks + c]).fetch_add(1ull, cuda::memory_order_release);
+    }
+  }
+}
+
+// Blocks its stream until flags[index] >= target; kernels queued after it see the chunk's data.
+extern "C" __global__ void cw_ag_wait(unsigned long long* flags, long long index, unsigned long long target) {
+  cw_flag flag(flags[index]);
+  while (flag.load(cuda::memory_order_acquire) < target) {
+  }
+}
+"""
+
+
+def available(ctx):
+    if not ctx.is_cuda:
+        return "the seed pushes A over NVLink with NCCL's device API and needs CUDA GPUs"
+    return None
+
+
+def chunk_begin(rows, chunks, c):
+    """First row of chunk c (the same formula as cw_chunk_begin in the kernel)."""
+    return rows * c // chunks
+
+
+def setup(ctx, shape):
+    world, rank = ctx.world_size, ctx.rank
+    m, k = shape["M"], shape["K"]
+    chunks, ctas = CONFIG["chunks"], CONFIG["comm_ctas"]
+    if world - 1 > 7:
+        raise ValueError(f"the push kernel addresses at most 7 peers, not {world - 1}")
+    a_full = ctx.symmetric((m, k), torch.bfloat16)
+    flags = ctx.symmetric((world * chunks,), torch.int64)
+    dc = ctx.dev_comm(lsa_barriers=ctas)
+    if dc.lsa_size != world or dc.lsa_rank != rank:
+        raise RuntimeError(f"all {world} ranks must share one NVLink (LSA) domain; lsa size {dc.lsa_size}, lsa rank {dc.lsa_rank}")
+    module = ctx.compile(CUDA_SRC, "gemm_allgather_seed")
+    return {
+        "a_full": a_full, "flags": flags, "dc": dc,
+        "a_win": ctx.window(a_full), "flag_win": ctx.window(flags),
+        "push": module.kernel("cw_ag_push"), "wait": module.kernel("cw_ag_wait"),
+        "stream": ctx.stream("comm"), "epoch": 0, "rows": m // world, "chunks": chunks, "ctas": ctas,
+    }
+
+
+def run(ctx, state, inputs, out):
+    a, b = inputs["a"], inputs["b"]
+    if not a.is_contiguous():
+        raise ValueError("the push kernel copies A's shard as one contiguous block")
+    state["epoch"] += 1
+    world, rank, rows, chunks = ctx.world_size, ctx.rank, state["rows"], state["chunks"]
+    row_bytes = a.shape[1] * a.element_size()
+    main, comm = torch.cuda.current_stream(ctx.device), state["stream"]
+
+    comm.wait_stream(main)  # this rank's previous GEMMs are done with a_full
+    state["push"].launch(state["ctas"], CONFIG["threads"], [
+        a, state["a_win"], state["a_win"].offset, state["flag_win"], state["flag_win"].offset,
+        rows, row_bytes, chunks, state["dc"],
+    ], stream=comm)
+
+    own = slice(rank * rows, (rank + 1) * rows)
+    torch.matmul(a, b, out=out[own])
+    target = state["epoch"] * state["ctas"]
+    for c in range(chunks):
+        r0, r1 = chunk_begin(rows, chunks, c), chunk_begin(rows, chunks, c + 1)
+        if r0 == r1:
+            continue
+        for j in range(1, world):
+            src = (rank - j) % world  # producers push chunk c to all peers at once; any order works
+            state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
+            part = slice(src * rows + r0, src * rows + r1)
+            torch.matmul(state["a_full"][part], b, out=out[part])
+    main.wait_stream(comm)
+# EVOLVE-BLOCK-END
