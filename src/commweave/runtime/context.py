@@ -83,13 +83,15 @@ class RankContext:
             raise RuntimeUnavailable(f"{what} needs CUDA GPUs and NCCL's device API; this rank runs on {self.device}")
         return self.comm
 
-    def stream(self, name: str) -> torch.cuda.Stream:
-        """A persistent side stream, created once per name."""
+    def stream(self, name: str, priority: int = 0) -> torch.cuda.Stream:
+        """A persistent side stream, created once per (name, priority). A negative priority is
+        scheduled first: communication kernels that must not queue behind a GEMM's CTAs."""
         if not self.is_cuda:
             raise RuntimeUnavailable(f"stream({name!r}) needs CUDA")
-        if name not in self._streams:
-            self._streams[name] = torch.cuda.Stream(device=self.device)
-        return self._streams[name]
+        key = f"{name}@{priority}"
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=self.device, priority=priority)
+        return self._streams[key]
 
     def barrier(self) -> None:
         """Host-side barrier across ranks (gloo: never queues work on a GPU stream)."""
