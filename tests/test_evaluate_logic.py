@@ -24,6 +24,7 @@ from commweave.workloads.base import Cost
 from toy_workload import ToyGatherMatmul
 
 PROGRAMS = Path(__file__).parent / "programs_cpu"
+GPU_PROGRAMS = Path(__file__).parent / "programs_gpu"
 
 
 # -- poison and judging -----------------------------------------------------------------------------
@@ -195,6 +196,12 @@ def test_compiled_cubin_lands_in_the_cache(idle_evaluator):
     program = (PROGRAMS / "host.py").read_text().replace("# EVOLVE-BLOCK-START", f'# EVOLVE-BLOCK-START\nCUDA_SRC = r"""{source}"""')
     assert idle_evaluator.compile(program).ok
     assert compile_cubin(source).cached  # what a worker's ctx.compile will find
+
+
+@pytest.mark.parametrize("path", sorted(GPU_PROGRAMS.glob("*.py")), ids=lambda p: p.stem)
+def test_gpu_test_programs_compile_here(idle_evaluator, path):
+    verdict = idle_evaluator.compile(path.read_text())
+    assert verdict.ok, verdict.message
 
 
 def test_failed_compile_gives_fitness_zero_without_running_anything(idle_evaluator):
