@@ -54,6 +54,7 @@ def test_correct_program_passes_every_shape_and_seed(evaluator):
 BROKEN = [
     # program, class, words in the message, failing rank (None: any)
     ("raises", FailureClass.RUNTIME_ERROR, "ValueError: rank 1 lost its way", 1),
+    ("setup_raises", FailureClass.RUNTIME_ERROR, "setup() raised MemoryError", 0),
     ("wrong_values", FailureClass.WRONG_RESULT, "relative error 0.001 exceeds tolerance", 0),
     ("writes_nothing", FailureClass.WRONG_RESULT, "output not written: 42 of 42 elements", 0),
     ("writes_nan", FailureClass.NAN, "1 NaN/Inf of 42", 1),
@@ -74,6 +75,13 @@ def test_broken_program_is_classified_and_the_pool_survives(evaluator, name, fai
     if rank is not None:
         assert verdict.rank == rank, verdict.message
     assert_host_still_passes(evaluator)
+
+
+def test_an_ordinary_exception_costs_no_pool_restart(evaluator):
+    restarts = evaluator.pool.restarts
+    assert evaluator.check(program("raises")).failure == FailureClass.RUNTIME_ERROR
+    assert evaluator.check(program("setup_raises")).failure == FailureClass.RUNTIME_ERROR
+    assert evaluator.pool.restarts == restarts
 
 
 def test_failures_name_shape_and_seed(evaluator):
@@ -115,6 +123,7 @@ def test_evaluate_correct_candidate(evaluator):
     result = evaluator.evaluate(program("host"), BENCH_SHAPE)
     assert result.verdict.ok, result.verdict.message
     assert result.baseline == "host" and result.fitness > 0
+    assert "3 seeds on 3 shapes: 3x5x7, 16x8x12, 64x64x64" in result.verdict.message
     assert result.candidate is not None and len(result.candidate.per_iter_us) == evaluator.iters
     assert result.candidate.min_us <= result.candidate.median_us <= result.candidate.p90_us
     host = result.baselines["host"]

@@ -59,21 +59,21 @@ def _cause(result: JobResult) -> tuple[int, RankFailure]:
 def job_failure(result: JobResult) -> Verdict:
     """The verdict for a job that did not finish on every rank (the pool restarted if it hung,
     crashed or broke a CUDA context)."""
-    rank, failure = _cause(result)
     restarted = "; the worker pool was restarted" if result.restarted else ""
     if result.status == "timeout":
         silent = [str(r) for r, f in enumerate(result.failures) if f is not None]
         return Verdict(False, FailureClass.TIMEOUT, f"no answer within {result.elapsed_s:.1f} s from rank "
                                                     f"{', '.join(silent)} (deadlock or endless loop){restarted}")
+    rank, failure = _cause(result)
     if failure.error_type == "WorkloadError":
         raise EvaluationError(failure.message)
-    if failure.sticky:
-        cls = FailureClass.ILLEGAL_ADDRESS
-    else:
-        cls = FailureClass.RUNTIME_ERROR
-    what = failure.message if failure.error_type == "crashed" else f"{failure.error_type}: {failure.message}"
-    if failure.error_type == "HarnessError":
+    if failure.error_type == "crashed":
+        what = failure.message
+    elif failure.error_type == "HarnessError":
         what = f"the harness failed after candidate code ran: {failure.message}"
+    else:
+        what = f"{failure.error_type}: {failure.message}"
+    cls = FailureClass.ILLEGAL_ADDRESS if failure.sticky else FailureClass.RUNTIME_ERROR
     return Verdict(False, cls, what + restarted, rank=rank, detail=failure.traceback)
 
 
@@ -205,7 +205,7 @@ class Evaluator:
             why = "; ".join(f"{n}: {t.verdict.failure}: {t.verdict.message}" for n, t in baselines.items())
             raise EvaluationError(f"no baseline of {self.workload.name!r} could be timed on {shape}: {why}")
         fitness = baselines[reference].median_us / candidate.median_us
-        return EvalResult(fitness, candidate.verdict, shape.label, candidate, reference, baselines, bench.floor_us)
+        return EvalResult(fitness, verdict, shape.label, candidate, reference, baselines, bench.floor_us)
 
     def _baseline_check(self, name: str, text: str, shapes: list[Shape]) -> Verdict:
         """A baseline is checked once per text and shape set (it does not change between candidates)."""

@@ -262,8 +262,11 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
         for name in active:
             result.verdicts[name] = _bench_verdict(ctx, wl, name, shape, outs[name], ref, last_seed, unready[name], iters)
         for name, (program, state) in active.items():
-            _teardown(ctx, steps, program, state)
-    steps.attempt("end_candidate()", ctx.end_candidate)
+            teardown = _Steps(ctx.rank, shape.label)
+            _teardown(ctx, teardown, program, state)
+            if result.verdicts[name].ok:
+                result.verdicts[name] = teardown.verdict
+    steps.harness("end_candidate()", ctx.end_candidate)
     return result
 
 
