@@ -18,7 +18,7 @@ from commweave.evaluate.program import ProgramError, parse_program
 from commweave.evaluate.timing import BenchResult, ProgramTiming, summarize
 from commweave.evaluate.verdict import EvaluationError, FailureClass, Verdict, merge_rank_verdicts
 from commweave.runtime.compile import CompileError, compile_cubin
-from commweave.runtime.pool import JobResult, RankFailure, WorkerPool
+from commweave.runtime.pool import JobResult, WorkerPool
 from commweave.workloads.base import Shape, Workload
 
 CHECK_JOB = "commweave.evaluate.jobs:check_program"
@@ -39,23 +39,6 @@ class EvalResult:
     floor_us: float | None = None
 
 
-def _cause(result: JobResult) -> tuple[int, RankFailure]:
-    """The failure that explains the others: a dead worker (its peers then see 'connection
-    closed'), else a sticky CUDA error, else the lowest rank that raised, else a silent rank."""
-    def priority(failure: RankFailure) -> int:
-        if failure.error_type == "crashed":
-            return 0
-        if failure.sticky:
-            return 1
-        return 3 if failure.error_type in ("timeout", "killed") else 2
-
-    found = [(priority(f), r, f) for r, f in enumerate(result.failures) if f is not None]
-    if not found:
-        raise ValueError("job_failure() needs a failed job")
-    _, rank, failure = min(found, key=lambda item: item[:2])
-    return rank, failure
-
-
 def job_failure(result: JobResult) -> Verdict:
     """The verdict for a job that did not finish on every rank (the pool restarted if it hung,
     crashed or broke a CUDA context)."""
@@ -64,7 +47,10 @@ def job_failure(result: JobResult) -> Verdict:
         silent = [str(r) for r, f in enumerate(result.failures) if f is not None]
         return Verdict(False, FailureClass.TIMEOUT, f"no answer within {result.elapsed_s:.1f} s from rank "
                                                     f"{', '.join(silent)} (deadlock or endless loop){restarted}")
-    rank, failure = _cause(result)
+    cause = result.cause()
+    if cause is None:
+        raise ValueError("job_failure() needs a failed job")
+    rank, failure = cause
     if failure.error_type == "WorkloadError":
         raise EvaluationError(failure.message)
     if failure.error_type == "crashed":

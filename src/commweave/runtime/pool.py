@@ -68,12 +68,26 @@ class JobResult:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def cause(self) -> tuple[int, RankFailure] | None:
+        """(rank, failure) that explains the others: a dead worker (its peers then see 'connection
+        closed'), else a sticky CUDA error, else the lowest rank that raised, else a silent rank."""
+
+        def priority(failure: RankFailure) -> int:
+            if failure.error_type == "crashed":
+                return 0
+            if failure.sticky:
+                return 1
+            return 3 if failure.error_type in ("timeout", "killed") else 2
+
+        found = [(priority(f), r, f) for r, f in enumerate(self.failures) if f is not None]
+        if not found:
+            return None
+        _, rank, failure = min(found, key=lambda item: item[:2])
+        return rank, failure
+
     def first_failure(self) -> RankFailure | None:
-        """The earliest real failure (a rank that raised beats ranks that were merely waiting)."""
-        real = [f for f in self.failures if f is not None and f.error_type not in ("timeout", "killed")]
-        if real:
-            return real[0]
-        return next((f for f in self.failures if f is not None), None)
+        cause = self.cause()
+        return cause[1] if cause else None
 
 
 class PoolStartError(RuntimeError):

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from commweave.runtime import nccl
+from commweave.runtime.capabilities import rdma_devices
 from commweave.runtime.context import RankContext
 from commweave.runtime.nccl import KERNELS_DIR
 
 LSA_ALLREDUCE_CTAS = 8
-
-
-def rdma_devices() -> list[str]:
-    """RDMA-capable NICs the kernel knows (GIN needs one)."""
-    root = Path("/sys/class/infiniband")
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
 def probe(ctx: RankContext) -> dict[str, Any]:

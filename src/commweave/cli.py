@@ -1,0 +1,191 @@
+"""The `commweave` command: doctor, list, bench."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from commweave.runtime.pool import apply_safe_env
+from commweave.report.results import RESULTS_DIR
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Co-design computation and communication on multi-GPU machines.")
+console = Console()
+
+
+@app.callback()
+def _safe_environment() -> None:
+    """NVLink multicast stays off in this process and every worker it starts."""
+    apply_safe_env()
+
+
+def _fail(message: str, code: int = 2) -> None:
+    """One clear line on stderr, then a non-zero exit."""
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _require_gpus(n: int, what: str) -> None:
+    from commweave.runtime.capabilities import cuda_device_count
+
+    have = cuda_device_count()
+    if have < n:
+        _fail(f"{what} needs {n} CUDA GPUs; this machine has {have}.")
+
+
+@app.command()
+def doctor() -> None:
+    """GPUs, links, NCCL version, LSA/GIN, nvcc: what this machine offers commweave."""
+    from commweave.runtime import PoolStartError, WorkerPool
+    from commweave.runtime.capabilities import host_capabilities
+
+    caps = host_capabilities()
+    table = Table(title="commweave doctor", show_header=False)
+    for key in ("torch", "torch_cuda", "gpus", "nvcc", "nccl_headers", "nccl_library"):
+        table.add_row(key, str(caps[key]))
+    table.add_row("rdma_nics", ", ".join(caps["rdma_nics"]) or "none")
+    console.print(table)
+    if caps["topology"]:
+        console.print(caps["topology"], highlight=False)
+    if caps["gpus"] < 1:
+        _fail("no CUDA GPU found: device checks (LSA, GIN, self-test) skipped.", code=1)
+    world = caps["gpus"]
+    try:
+        with WorkerPool(world, job_timeout_s=120) as pool:
+            probe = pool.run("commweave.runtime.selftest:probe")
+            test = pool.run("commweave.runtime.selftest:lsa_allreduce", count=1 << 20) if world > 1 else None
+    except PoolStartError as exc:
+        _fail(str(exc))
+    if not probe.ok:
+        _fail(f"probe failed: {probe.first_failure()}")
+    info = probe.values[0]
+    console.print(f"NCCL loaded {info['nccl_loaded']} (torch reports {info['nccl_torch']}); GPU {info['gpu']} x{world}")
+    console.print(f"LSA: {'yes' if info['lsa'] else 'no'} (team of {info['lsa_size']})")
+    console.print(f"GIN: {'yes' if info['gin'] else 'no — ' + info['gin_reason']}")
+    if test is not None:
+        ok = test.ok and all(v["ok"] for v in test.values)
+        console.print(f"LSA all-reduce self-test vs NCCL: {'passed' if ok else 'FAILED'}")
+        if not ok:
+            raise typer.Exit(1)
+
+
+@app.command("list")
+def list_workloads() -> None:
+    """Workloads, their programs and default shapes."""
+    from commweave.workloads import registry
+
+    table = Table(title="workloads")
+    for col in ("name", "summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
+        table.add_column(col)
+    for name, wl in registry().items():
+        programs = f"{', '.join(wl.baselines)}; {wl.seed}"
+        shapes = ", ".join(s.label for s in wl.bench_shapes(max(wl.world_sizes)))
+        table.add_row(name, wl.summary, ", ".join(map(str, wl.world_sizes)), programs, shapes)
+    console.print(table)
+
+
+def _cell(timing: Any) -> str:
+    if timing is None:
+        return "-"
+    if timing.verdict.ok and timing.median_us is not None:
+        return f"{timing.median_us:,.1f}"
+    return f"[red]{timing.verdict.failure}[/]"
+
+
+def _ratio(numerator: Any, denominator: Any) -> float | None:
+    ok = all(t is not None and t.verdict.ok and t.median_us for t in (numerator, denominator))
+    return numerator.median_us / denominator.median_us if ok else None
+
+
+@app.command()
+def bench(
+    workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
+    gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
+    shapes: list[str] = typer.Option(None, "--shapes", help="shapes to time (default: the workload's bench shapes)"),
+    candidate: Path = typer.Option(None, "--candidate", help="a program file to time as 'ours' instead of the seed"),
+    iters: int = typer.Option(20, "--iters", min=20, help="timed iterations per program and shape"),
+    warmup: int = typer.Option(5, "--warmup", min=1),
+    seeds: int = typer.Option(2, "--seeds", min=2, help="fresh random inputs per correctness check"),
+    job_timeout: float = typer.Option(600.0, "--job-timeout", help="seconds before a hung job is killed"),
+    out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where the results JSON goes"),
+) -> None:
+    """Check and time a workload's baselines and our program side by side, against the floor."""
+    from rich.progress import Progress
+
+    from commweave.evaluate.evaluator import Evaluator
+    from commweave.evaluate.floor import calibrate
+    from commweave.report.results import write_results
+    from commweave.runtime import PoolStartError, WorkerPool
+    from commweave.workloads import get_workload
+
+    try:
+        wl = get_workload(workload)
+        wl.check_world_size(gpus)
+        chosen = [wl.parse_shape(text, gpus) for text in shapes] if shapes else wl.bench_shapes(gpus)
+    except (KeyError, ValueError) as exc:
+        _fail(str(exc).strip("'\""))
+    if candidate is not None and not candidate.is_file():
+        _fail(f"--candidate {candidate}: no such file")
+    ours_text = candidate.read_text() if candidate is not None else wl.program_text(wl.seed)
+    programs = {name: wl.program_text(name) for name in wl.baselines} | {"ours": ours_text}
+    _require_gpus(gpus, f"bench {workload} --gpus {gpus}")
+
+    rows: list[dict[str, Any]] = []
+    try:
+        with WorkerPool(gpus, job_timeout_s=job_timeout) as pool, Progress(console=console, transient=True) as progress:
+            task = progress.add_task("calibrating matmul, NVLink and HBM rates", total=1 + len(chosen) * 2)
+            rates = calibrate(pool)
+            evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
+                                  job_timeout_s=job_timeout)
+            progress.advance(task)
+            # Small awkward shapes once per program, then each timed shape itself.
+            small = {name: evaluator.check(text, wl.check_shapes(gpus)) for name, text in programs.items()}
+            for shape in chosen:
+                progress.update(task, description=f"{shape}: correctness")
+                verdicts = {name: evaluator.check(text, [shape]) if small[name].ok else small[name]
+                            for name, text in programs.items()}
+                progress.update(task, advance=1, description=f"{shape}: timing")
+                runnable = {n: t for n, t in programs.items() if verdicts[n].ok}
+                result = evaluator.benchmark(runnable, shape) if runnable else None
+                progress.advance(task)
+                rows.append({"shape": shape.label, "verdicts": {n: asdict(v) for n, v in verdicts.items()},
+                             "bench": asdict(result) if result else None, "_timings": result.programs if result else {},
+                             "_verdicts": verdicts, "floor_us": result.floor_us if result else None})
+    except PoolStartError as exc:
+        _fail(str(exc))
+
+    table = Table(title=f"{workload} on {gpus} GPUs (median of per-iteration max over ranks, µs)")
+    table.add_column("shape")
+    for name in programs:
+        table.add_column(name, justify="right")
+    for name in wl.baselines:
+        table.add_column(f"ours vs {name}", justify="right")
+    table.add_column("floor", justify="right")
+    table.add_column("floor/ours", justify="right")
+    for row in rows:
+        timings, verdicts = row.pop("_timings"), row.pop("_verdicts")
+        cells = [_cell(timings.get(n)) if verdicts[n].ok else f"[red]{verdicts[n].failure}[/]" for n in programs]
+        speedups = [_ratio(timings.get(b), timings.get("ours")) for b in wl.baselines]
+        ours = timings.get("ours")
+        efficiency = row["floor_us"] / ours.median_us if ours is not None and ours.verdict.ok and ours.median_us else None
+        row["speedup"] = dict(zip(wl.baselines, speedups))
+        table.add_row(row["shape"], *cells, *[f"{x:.2f}x" if x else "-" for x in speedups],
+                      f"{row['floor_us']:,.1f}" if row["floor_us"] else "-", f"{efficiency:.2f}" if efficiency else "-")
+    payload = {"workload": workload, "gpus": gpus, "iters": iters, "warmup": warmup, "seeds": seeds,
+               "rates": asdict(rates), "programs": list(programs), "candidate": str(candidate) if candidate else None,
+               "rows": rows}
+    path = write_results(f"bench-{workload}-{gpus}gpu", payload, out_dir=out_dir)
+    console.print(table)
+    for row in rows:
+        for name, verdict in row["verdicts"].items():
+            if not verdict["ok"]:
+                console.print(f"{row['shape']} {name}: {verdict['failure']}: {verdict['message']}", highlight=False)
+    console.print(f"results: {path}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
