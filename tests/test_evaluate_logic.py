@@ -228,3 +228,21 @@ def test_evaluator_validates_its_settings():
         Evaluator(pool, ToyGatherMatmul(), iters=0)
     with pytest.raises(ValueError, match="runs on"):
         Evaluator(WorkerPool(3, device="cpu"), ToyGatherMatmul())
+
+
+def test_with_config_sets_knobs_and_refuses_unknown_ones():
+    from commweave.evaluate.program import ProgramError, parse_program, with_config
+
+    text = '''# EVOLVE-BLOCK-START
+CONFIG = dict(ctas=16, order="a")  # é keeps columns honest
+def setup(ctx, shape): return None
+def run(ctx, state, inputs, out): out.copy_(inputs["x"])
+# EVOLVE-BLOCK-END
+'''
+    edited = with_config(text, ctas=8, order="b")
+    assert "CONFIG = dict(ctas=8, order='b')  # é" in edited
+    assert parse_program(edited).functions == parse_program(text).functions
+    with pytest.raises(ProgramError, match="no knob threads"):
+        with_config(text, threads=1)
+    with pytest.raises(ProgramError, match="no module-level CONFIG"):
+        with_config("x = 1\n", ctas=1)

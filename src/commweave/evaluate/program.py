@@ -74,3 +74,34 @@ def load_program(text: str, name: str = "candidate") -> types.ModuleType:
     module.__file__ = f"<program {name}>"
     exec(compile(text, module.__file__, "exec"), module.__dict__)
     return module
+
+
+def with_config(text: str, **knobs: object) -> str:
+    """The program with entries of its module-level `CONFIG = dict(...)` set to new literal values.
+
+    Edits the text (values are written with repr), so the result is an ordinary program that can be
+    stored, diffed and evaluated like any other. Unknown knobs are an error, not silently added.
+    """
+    tree = ast.parse(text)
+    call = next((n.value for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+                 and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "CONFIG"), None)
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "dict"):
+        raise ProgramError("program has no module-level CONFIG = dict(...) to set knobs in")
+    values = {kw.arg: kw.value for kw in call.keywords if kw.arg}
+    unknown = sorted(set(knobs) - set(values))
+    if unknown:
+        raise ProgramError(f"CONFIG has no knob {', '.join(unknown)} (has: {', '.join(sorted(values))})")
+    # ast positions are UTF-8 byte columns: edit the encoded text.
+    data = text.encode()
+    line_starts = [0]
+    for line in data.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    edits = []
+    for name, value in knobs.items():
+        node = values[name]
+        start = line_starts[node.lineno - 1] + node.col_offset
+        end = line_starts[node.end_lineno - 1] + node.end_col_offset
+        edits.append((start, end, repr(value).encode()))
+    for start, end, new in sorted(edits, reverse=True):
+        data = data[:start] + new + data[end:]
+    return data.decode()

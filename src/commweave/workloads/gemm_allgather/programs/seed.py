@@ -1,11 +1,16 @@
 """Device-initiated seed: LSA push of A's row shards with per-chunk flags, GEMMs chase the flags.
 
-Placement "split": a communication kernel on a side stream pushes this rank's A shard straight
-into every peer's symmetric `a_full` (NVLink stores through `ncclGetLsaPointer`), chunk by chunk,
-and after each chunk bumps a counter in each peer's symmetric `flags`. The current stream first
-multiplies the local shard (it needs nothing), then for every remote (source, chunk) in arrival
-order runs a one-thread kernel that spins until that counter reaches this call's target and a
-cuBLAS GEMM on those rows. Gather and GEMM overlap, and no host synchronization is involved.
+Placement "split": a communication kernel on a high-priority side stream pushes this rank's A
+shard straight into peers' symmetric `a_full` (NVLink stores through `ncclGetLsaPointer`), chunk
+by chunk, and after each chunk bumps a counter in that peer's symmetric `flags`. The current
+stream first multiplies the local shard (it needs nothing), then for every remote (source, chunk)
+in arrival order runs a one-thread kernel that spins until that counter reaches this call's
+target, and a cuBLAS GEMM on those rows. Gather and GEMM overlap; no host synchronization.
+
+Order "staggered": in phase j every rank sends its whole shard to rank + j only, so each receiver
+gets complete shards one after another (from rank - 1 first) at the full single-peer NVLink rate,
+and its GEMMs on early shards overlap the later shards' transfer. Order "broadcast": every chunk
+goes to all peers at once (one load, W-1 stores), so all shards arrive together at the end.
 
 Counters are never reset: call number `epoch` waits for `epoch * comm_ctas` (every CTA of the
 producer signals every chunk once per call), so there is no reset to race with. An LSA barrier at
@@ -19,7 +24,9 @@ import torch
 CONFIG = dict(
     comm_ctas=16,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight)
     threads=512,  # threads per push CTA
-    chunks=2,  # pieces per shard: more overlap, but more (smaller, less efficient) GEMMs
+    chunks=1,  # pieces per shard: more overlap, but more (smaller, less efficient) GEMMs
+    order="staggered",  # "staggered": one peer per phase, shards arrive in turn; "broadcast": all at once
+    comm_priority=-1,  # stream priority of the push kernel (negative: scheduled ahead of GEMM CTAs)
 )
 
 CUDA_SRC = r"""
@@ -100,12 +107,21 @@ __host__ __device__ inline void cw_push_bytes(const char* src, const CwPeers& to
   else cw_push_units<unsigned char>(src, to, 0, nbytes, tid, nthreads);
 }
 
+// Adds 1 to flags[index] in `peer`'s window, after the whole CTA's stores of that chunk: bar.sync
+// orders them before the release RMW (cumulativity), the same pattern NCCL's barrier arrive() uses.
+__device__ inline void cw_signal(ncclWindow_t flag_win, size_t flag_offset, int peer, size_t index) {
+  unsigned long long* flags = (unsigned long long*)ncclGetLsaPointer(flag_win, flag_offset, peer);
+  cw_flag(flags[index]).fetch_add(1ull, cuda::memory_order_release);
+}
+
 // Pushes this rank's shard (rows x row_bytes, contiguous at a_local) into rows
-// [rank*rows, (rank+1)*rows) of every peer's a_full, chunk by chunk, and after each chunk adds 1
-// to flags[rank*chunks + c] in each peer's window (release, system scope), once per CTA.
+// [rank*rows, (rank+1)*rows) of peers' a_full, chunk by chunk, and after each chunk adds 1 to
+// flags[rank*chunks + c] in the receiving peer's window, once per CTA. Empty chunks still signal,
+// so every counter advances by exactly gridDim.x per call.
+// staggered != 0: phase j sends the whole shard to rank + j only; else each chunk goes to all peers.
 extern "C" __global__ void cw_ag_push(const char* a_local, ncclWindow_t a_win, size_t a_offset,
                                       ncclWindow_t flag_win, size_t flag_offset, long long rows,
-                                      long long row_bytes, int chunks, ncclDevComm dc) {
+                                      long long row_bytes, int chunks, int staggered, ncclDevComm dc) {
   {
     // Every rank has finished the previous call's GEMMs (its side stream waited for them before
     // this kernel), so nobody's a_full is still being read when we start overwriting it.
@@ -114,30 +130,30 @@ extern "C" __global__ void cw_ag_push(const char* a_local, ncclWindow_t a_win, s
   }
   const int me = dc.lsaRank, n = dc.lsaSize;
   const size_t shard_offset = a_offset + (size_t)me * rows * row_bytes;
-  CwPeers to;
-  to.count = n - 1;
-#pragma unroll
-  for (int p = 0; p < CW_MAX_PEERS; p++) {
-    to.dst[p] = p < n - 1 ? (char*)ncclGetLsaPointer(a_win, shard_offset, (me + 1 + p) % n) : nullptr;
-  }
   const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t nthreads = (size_t)gridDim.x * blockDim.x;
-  for (int c = 0; c < chunks; c++) {
-    long long r0 = cw_chunk_begin(rows, chunks, c), r1 = cw_chunk_begin(rows, chunks, c + 1);
-    CwPeers chunk = to;
+  const int phases = staggered ? n - 1 : 1;
+  for (int phase = 0; phase < phases; phase++) {
+    CwPeers to;
+    to.count = staggered ? 1 : n - 1;
 #pragma unroll
     for (int p = 0; p < CW_MAX_PEERS; p++) {
-      if (p < to.count) chunk.dst[p] += r0 * row_bytes;
+      int peer = (me + 1 + (staggered ? phase : p)) % n;
+      to.dst[p] = p < to.count ? (char*)ncclGetLsaPointer(a_win, shard_offset, peer) : nullptr;
     }
-    cw_push_bytes(a_local + r0 * row_bytes, chunk, (size_t)((r1 - r0) * row_bytes), tid, nthreads);
-    // The whole CTA's stores come before the flag: bar.sync orders them before the release RMW
-    // (cumulativity), the same pattern NCCL's barrier arrive() uses. Empty chunks still signal,
-    // so every counter advances by exactly gridDim.x per call.
-    __syncthreads();
-    if (threadIdx.x < n - 1) {
-      int peer = (me + 1 + threadIdx.x) % n;
-      unsigned long long* flags = (unsigned long long*)ncclGetLsaPointer(flag_win, flag_offset, peer);
-      cw_flag(flags[(size_t)me * chunks + c]).fetch_add(1ull, cuda::memory_order_release);
+    for (int c = 0; c < chunks; c++) {
+      long long r0 = cw_chunk_begin(rows, chunks, c), r1 = cw_chunk_begin(rows, chunks, c + 1);
+      CwPeers chunk = to;
+#pragma unroll
+      for (int p = 0; p < CW_MAX_PEERS; p++) {
+        if (p < to.count) chunk.dst[p] += r0 * row_bytes;
+      }
+      cw_push_bytes(a_local + r0 * row_bytes, chunk, (size_t)((r1 - r0) * row_bytes), tid, nthreads);
+      __syncthreads();
+      if (threadIdx.x < to.count) {
+        int peer = (me + 1 + (staggered ? phase : (int)threadIdx.x)) % n;
+        cw_signal(flag_win, flag_offset, peer, (size_t)me * chunks + c);
+      }
     }
   }
 }
@@ -166,6 +182,8 @@ def setup(ctx, shape):
     world, rank = ctx.world_size, ctx.rank
     m, k = shape["M"], shape["K"]
     chunks, ctas = CONFIG["chunks"], CONFIG["comm_ctas"]
+    if CONFIG["order"] not in ("staggered", "broadcast"):
+        raise ValueError(f"CONFIG['order'] must be 'staggered' or 'broadcast', not {CONFIG['order']!r}")
     if world - 1 > 7:
         raise ValueError(f"the push kernel addresses at most 7 peers, not {world - 1}")
     a_full = ctx.symmetric((m, k), torch.bfloat16)
@@ -178,7 +196,7 @@ def setup(ctx, shape):
         "a_full": a_full, "flags": flags, "dc": dc,
         "a_win": ctx.window(a_full), "flag_win": ctx.window(flags),
         "push": module.kernel("cw_ag_push"), "wait": module.kernel("cw_ag_wait"),
-        "stream": ctx.stream("comm"), "epoch": 0, "rows": m // world, "chunks": chunks, "ctas": ctas,
+        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "epoch": 0, "rows": m // world, "chunks": chunks, "ctas": ctas,
     }
 
 
@@ -194,20 +212,25 @@ def run(ctx, state, inputs, out):
     comm.wait_stream(main)  # this rank's previous GEMMs are done with a_full
     state["push"].launch(state["ctas"], CONFIG["threads"], [
         a, state["a_win"], state["a_win"].offset, state["flag_win"], state["flag_win"].offset,
-        rows, row_bytes, chunks, state["dc"],
+        rows, row_bytes, chunks, int(CONFIG["order"] == "staggered"), state["dc"],
     ], stream=comm)
 
     own = slice(rank * rows, (rank + 1) * rows)
     torch.matmul(a, b, out=out[own])
     target = state["epoch"] * state["ctas"]
-    for c in range(chunks):
+    # Arrival order: staggered sends shards in turn from rank - 1, rank - 2, ...; broadcast sends
+    # chunk c of every shard before chunk c + 1.
+    if CONFIG["order"] == "staggered":
+        pieces = [(j, c) for j in range(1, world) for c in range(chunks)]
+    else:
+        pieces = [(j, c) for c in range(chunks) for j in range(1, world)]
+    for j, c in pieces:
         r0, r1 = chunk_begin(rows, chunks, c), chunk_begin(rows, chunks, c + 1)
         if r0 == r1:
             continue
-        for j in range(1, world):
-            src = (rank - j) % world  # producers push chunk c to all peers at once; any order works
-            state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
-            part = slice(src * rows + r0, src * rows + r1)
-            torch.matmul(state["a_full"][part], b, out=out[part])
+        src = (rank - j) % world
+        state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
+        part = slice(src * rows + r0, src * rows + r1)
+        torch.matmul(state["a_full"][part], b, out=out[part])
     main.wait_stream(comm)
 # EVOLVE-BLOCK-END
