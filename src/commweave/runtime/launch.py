@@ -148,3 +148,17 @@ class Module:
         if name.startswith("_") or name in ("handle", "label"):
             raise AttributeError(name)
         return self.kernel(name)
+
+
+def stream_wait_geq(address: int, value: int, stream: Any = None) -> None:
+    """Block `stream` (default: torch's current) until the 64-bit word at `address` is >= `value`.
+
+    A stream memory operation: the GPU's front end waits, no kernel launch and no SM is taken, so
+    a GEMM queued behind it starts as soon as a peer's flag arrives."""
+    import torch
+
+    drv = _driver()
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    _check((drv.cuStreamWaitValue64(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(address), drv.cuuint64_t(value),
+                                    int(geq)),), "cuStreamWaitValue64")

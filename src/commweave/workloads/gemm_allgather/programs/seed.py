@@ -20,6 +20,8 @@ the start of the push makes sure every rank finished the previous call's GEMMs (
 
 import torch
 
+from commweave.runtime.launch import stream_wait_geq
+
 # EVOLVE-BLOCK-START
 CONFIG = dict(
     comm_ctas=16,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight)
@@ -27,6 +29,8 @@ CONFIG = dict(
     chunks=1,  # pieces per shard: more overlap, but more (smaller, less efficient) GEMMs
     order="staggered",  # "staggered": one peer per phase, shards arrive in turn; "broadcast": all at once
     comm_priority=-1,  # stream priority of the push kernel (negative: scheduled ahead of GEMM CTAs)
+    wait="kernel",  # "kernel": a 1-thread acquire spin per chunk; "stream": cuStreamWaitValue64, no SM
+    carveout=False,  # GEMMs target SMs minus comm_ctas (cuBLASLt), so a shard's GEMM fits one wave
 )
 
 CUDA_SRC = r"""
@@ -182,6 +186,8 @@ def setup(ctx, shape):
     world, rank = ctx.world_size, ctx.rank
     m, k = shape["M"], shape["K"]
     chunks, ctas = CONFIG["chunks"], CONFIG["comm_ctas"]
+    if CONFIG["wait"] not in ("kernel", "stream"):
+        raise ValueError(f"CONFIG['wait'] must be 'kernel' or 'stream', not {CONFIG['wait']!r}")
     if CONFIG["order"] not in ("staggered", "broadcast"):
         raise ValueError(f"CONFIG['order'] must be 'staggered' or 'broadcast', not {CONFIG['order']!r}")
     if world - 1 > 7:
@@ -205,16 +211,34 @@ def run(ctx, state, inputs, out):
     if not a.is_contiguous():
         raise ValueError("the push kernel copies A's shard as one contiguous block")
     state["epoch"] += 1
-    world, rank, rows, chunks = ctx.world_size, ctx.rank, state["rows"], state["chunks"]
     row_bytes = a.shape[1] * a.element_size()
     main, comm = torch.cuda.current_stream(ctx.device), state["stream"]
 
     comm.wait_stream(main)  # this rank's previous GEMMs are done with a_full
     state["push"].launch(state["ctas"], CONFIG["threads"], [
         a, state["a_win"], state["a_win"].offset, state["flag_win"], state["flag_win"].offset,
-        rows, row_bytes, chunks, int(CONFIG["order"] == "staggered"), state["dc"],
+        state["rows"], row_bytes, state["chunks"], int(CONFIG["order"] == "staggered"), state["dc"],
     ], stream=comm)
 
+    if CONFIG["carveout"]:
+        # Process-wide torch state: set only while this call's GEMMs are queued, then restored.
+        saved = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
+        torch._C._set_sm_carveout_experimental(state["ctas"])
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            _gemms(ctx, state, inputs, out, main)
+        finally:
+            torch._C._set_sm_carveout_experimental(saved[0])
+            torch.backends.cuda.preferred_blas_library(saved[1])
+    else:
+        _gemms(ctx, state, inputs, out, main)
+    main.wait_stream(comm)
+
+
+def _gemms(ctx, state, inputs, out, main):
+    """Local shard first, then each remote piece as its flag arrives."""
+    a, b = inputs["a"], inputs["b"]
+    world, rank, rows, chunks = ctx.world_size, ctx.rank, state["rows"], state["chunks"]
     own = slice(rank * rows, (rank + 1) * rows)
     torch.matmul(a, b, out=out[own])
     target = state["epoch"] * state["ctas"]
@@ -229,8 +253,10 @@ def run(ctx, state, inputs, out):
         if r0 == r1:
             continue
         src = (rank - j) % world
-        state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
+        if CONFIG["wait"] == "stream":
+            stream_wait_geq(state["flags"][src * chunks + c].data_ptr(), target, main)
+        else:
+            state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
         part = slice(src * rows + r0, src * rows + r1)
         torch.matmul(state["a_full"][part], b, out=out[part])
-    main.wait_stream(comm)
 # EVOLVE-BLOCK-END
