@@ -25,13 +25,20 @@ from commweave.runtime import WorkerPool, apply_safe_env
 from commweave.workloads import get_workload
 
 
+def _literal(text: str) -> object:
+    """'16' -> 16, 'true'/'false' -> bool, anything else stays a string."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def parse_grid(items: list[str]) -> dict[str, list[object]]:
     grid: dict[str, list[object]] = {}
     for item in items:
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise SystemExit(f"--grid {item!r}: expected knob=v1,v2,...")
-        grid[name] = [int(v) if v.lstrip("-").isdigit() else v for v in values.split(",")]
+        grid[name] = [_literal(v) for v in values.split(",")]
     return grid
 
 
