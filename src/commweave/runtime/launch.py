@@ -160,5 +160,5 @@ def stream_wait_geq(address: int, value: int, stream: Any = None) -> None:
     drv = _driver()
     stream = stream if stream is not None else torch.cuda.current_stream()
     geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    _check((drv.cuStreamWaitValue64(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(address), drv.cuuint64_t(value),
-                                    int(geq)),), "cuStreamWaitValue64")
+    _check(drv.cuStreamWaitValue64(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(address), drv.cuuint64_t(value),
+                                   int(geq)), "cuStreamWaitValue64")
