@@ -41,7 +41,7 @@ def pool():
 @pytest.fixture(scope="module")
 def evaluator(pool, workload):
     """Short job timeout: the deadlock test waits this long."""
-    return Evaluator(pool, workload, job_timeout_s=60)
+    return Evaluator(pool, workload, job_timeout_s=30)
 
 
 def assert_host_passes(evaluator: Evaluator) -> None:

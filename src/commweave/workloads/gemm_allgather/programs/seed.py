@@ -27,13 +27,13 @@ from commweave.runtime.launch import stream_wait_geq
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
-    comm_ctas=16,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight)
+    comm_ctas=8,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight)
     threads=512,  # threads per push CTA
     chunks=1,  # pieces per shard: more overlap, but more (smaller, less efficient) GEMMs
     order="staggered",  # "staggered": one peer per phase, shards arrive in turn; "broadcast": all at once
     comm_priority=-1,  # stream priority of the push kernel (negative: scheduled ahead of GEMM CTAs)
     wait="kernel",  # "kernel": a 1-thread acquire spin per chunk; "stream": cuStreamWaitValue64, no SM
-    carveout=False,  # GEMMs target SMs minus comm_ctas (cuBLASLt), so a shard's GEMM fits one wave
+    carveout=True,  # GEMMs target SMs minus comm_ctas (cuBLASLt), so a shard's GEMM fits one wave
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
 )
 MAX_GRAPHS = 32  # captured calls kept per setup (the benchmark rotates up to 16 input sets)
