@@ -10,10 +10,12 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from commweave.evaluate.program import load_program, with_config
+from commweave.report.results import write_results
 from commweave.runtime import WorkerPool, apply_safe_env
 from commweave.workloads import get_workload
 
@@ -94,8 +96,9 @@ def main() -> None:
                 continue
             report[shape] = r.values
             print(shape, json.dumps(r.values[0], indent=1))
-    with open("probe.json", "w") as f:
-        json.dump({"config": config, "argv": sys.argv, "report": report}, f, indent=1)
+    path = write_results(f"probe-gemm-allgather-seed-{args.gpus}gpu", {"config": config, "report": report},
+                         command=["python", "bench/probe_seed.py", *sys.argv[1:]], out_dir=Path(__file__).parent / "results")
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

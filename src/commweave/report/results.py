@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +25,14 @@ def _run(cmd: list[str]) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's hash, with '+dirty' when the working tree differs from it."""
-    sha = _run(["git", "rev-parse", "HEAD"]) or "unknown"
+    """HEAD's hash, with '+dirty' when the working tree differs from it.
+
+    COMMWEAVE_COMMIT overrides it, for copies of the tree without git history (the GPU machine)."""
+    if os.environ.get("COMMWEAVE_COMMIT"):
+        return os.environ["COMMWEAVE_COMMIT"]
+    sha = _run(["git", "rev-parse", "--verify", "-q", "HEAD"])
+    if not re.fullmatch(r"[0-9a-f]{40}", sha):
+        return "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return f"{sha}+dirty" if dirty else sha
 
