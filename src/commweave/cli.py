@@ -105,7 +105,7 @@ def _ratio(numerator: Any, denominator: Any) -> float | None:
 def bench(
     workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
     gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
-    shapes: list[str] = typer.Option(None, "--shapes", help="shapes to time (default: the workload's bench shapes)"),
+    shapes: list[str] = typer.Option(None, "--shapes", help="shapes to time, comma-separated or repeated (default: the workload's bench shapes)"),
     candidate: Path = typer.Option(None, "--candidate", help="a program file to time as 'ours' instead of the seed"),
     iters: int = typer.Option(20, "--iters", min=20, help="timed iterations per program and shape"),
     warmup: int = typer.Option(5, "--warmup", min=1),
@@ -125,7 +125,8 @@ def bench(
     try:
         wl = get_workload(workload)
         wl.check_world_size(gpus)
-        chosen = [wl.parse_shape(text, gpus) for text in shapes] if shapes else wl.bench_shapes(gpus)
+        texts = [t for item in shapes or [] for t in item.split(",") if t]
+        chosen = [wl.parse_shape(text, gpus) for text in texts] if texts else wl.bench_shapes(gpus)
     except (KeyError, ValueError) as exc:
         _fail(str(exc).strip("'\""))
     if candidate is not None and not candidate.is_file():
