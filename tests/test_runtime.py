@@ -127,3 +127,16 @@ def test_pool_refuses_bad_arguments():
         WorkerPool(0, device="cpu")
     with pytest.raises(ValueError, match="device"):
         WorkerPool(2, device="tpu")  # type: ignore[arg-type]
+
+
+def test_triton_peer_kernel_compiles_for_sm90():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from commweave.runtime.triton_peer import _copy_from_address
+
+    source = ASTSource(fn=_copy_from_address, constexprs={"BLOCK": 1024},
+                       signature={"src_address": "i64", "out_ptr": "*fp32", "count": "i32", "BLOCK": "constexpr"})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "ld.global" in kernel.asm["ptx"] and ".target sm_90" in kernel.asm["ptx"]

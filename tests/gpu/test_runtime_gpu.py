@@ -43,3 +43,11 @@ def test_windows_are_reused_across_candidates_and_pool_stays_alive(pool):
     second = pool.run("commweave.runtime.selftest:lsa_allreduce", count=4096, seed=1)
     assert first.ok and second.ok
     assert [v["pid"] for v in first.values] == [v["pid"] for v in second.values], "workers must persist"
+
+
+@needs_gpus
+def test_triton_kernel_reads_a_peer_window_through_peer_ptrs(pool):
+    pytest.importorskip("triton")
+    result = pool.run("commweave.runtime.selftest:triton_peer_read")
+    assert result.ok, result.first_failure()
+    assert all(v["ok"] for v in result.values), result.values

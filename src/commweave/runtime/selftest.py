@@ -59,3 +59,21 @@ def lsa_allreduce(ctx: RankContext, count: int, seed: int = 0) -> dict[str, Any]
     diff = (out - expected).abs().max().item() if count else 0.0
     ctx.end_candidate()
     return {"rank": ctx.rank, "max_abs_diff": diff, "ok": bool(diff <= 1e-5 * max(1.0, ctx.world_size)), "pid": os.getpid()}
+
+
+def triton_peer_read(ctx: RankContext, count: int = 5000) -> dict[str, Any]:
+    """Each rank reads its right neighbour's window with a Triton kernel (via ctx.peer_ptrs)."""
+    from commweave.runtime.triton_peer import copy_from_peer
+
+    src = ctx.symmetric((count,), torch.float32)
+    src.fill_(float(ctx.rank + 1))
+    torch.cuda.synchronize(ctx.device)
+    ctx.barrier()  # every window is filled before anyone reads
+    peer = (ctx.rank + 1) % ctx.world_size
+    out = torch.full((count,), float("nan"), device=ctx.device)
+    copy_from_peer(ctx.peer_ptrs(src)[peer], out)
+    torch.cuda.synchronize(ctx.device)
+    ctx.barrier()  # nobody's window is reused while a peer still reads it
+    ok = bool((out == float(peer + 1)).all())
+    ctx.end_candidate()
+    return {"rank": ctx.rank, "ok": ok}
