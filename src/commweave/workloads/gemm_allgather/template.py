@@ -1,0 +1,80 @@
+"""gemm-allgather's template: directive sets rendered onto the seed by editing its CONFIG knobs.
+
+What the seed implements, and so what this template renders:
+- backend `lsa` (NVLink stores through `ncclGetLsaPointer`), placement `split` (push kernel on a
+  side stream, GEMMs on the current stream chasing flags), issuer `cta` (all threads of a CTA copy
+  a chunk, one release signal per CTA), language `cuda`, no compression;
+- sync `chunk`: one counter per (source shard, chunk); sync `peer` is the same code with one chunk
+  per shard (a counter per source peer), so it renders `chunks=1`;
+- comm CTAs -> CONFIG `comm_ctas`; chunk bytes -> CONFIG `chunks` = the shard's bytes (M/W rows of
+  K bf16) over the chunk bytes, at least 1, at most `MAX_CHUNKS`. The chunk count depends on the
+  shape, so a rendered program is specific to the shape it was rendered for (other shapes still run
+  correctly, with other chunk sizes);
+- template knobs: `threads`, `order`, `comm_priority`, `wait`, `carveout`, `graph` (the seed's).
+Everything else is rejected with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from commweave.evaluate.program import with_config
+from commweave.space import Capabilities, DirectiveSet, Space, Template
+from commweave.workloads.base import Shape
+
+MAX_CHUNKS = 64  # more pieces per shard than this only adds GEMM launches
+
+KNOBS: dict[str, tuple[Any, ...]] = {
+    "threads": (128, 256, 512, 1024),
+    "order": ("staggered", "broadcast"),
+    "comm_priority": (-1, 0),
+    "wait": ("kernel", "stream"),
+    "carveout": (True, False),
+    "graph": (True, False),
+}
+
+
+class GemmAllGatherTemplate(Template):
+    workload = "gemm-allgather"
+
+    def __init__(self, workload: Any = None):
+        if workload is None:
+            from commweave.workloads.gemm_allgather.workload import GemmAllGather
+
+            workload = GemmAllGather()
+        self.wl = workload
+        self._seed_text = workload.program_text(workload.seed)
+
+    def space(self, world_size: int, capabilities: Any = None) -> Space:
+        return Space(chunk_bytes_min=256 << 10, chunk_bytes_max=64 << 20, comm_ctas=(1, 2, 4, 8, 16, 32),
+                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+
+    def supported(self) -> dict[str, tuple[Any, ...]]:
+        return {"backend": ("lsa",), "placement": ("split",), "sync": ("chunk", "peer"), "issuer": ("cta",),
+                "compression": ("none",), "group_size": (0,), "language": ("cuda",),
+                **{f"knob:{k}": v for k, v in KNOBS.items()}}
+
+    def seed_directives(self) -> DirectiveSet:
+        """The seed as it is: 8 CTAs, one chunk per shard (sync per peer), its CONFIG defaults."""
+        return DirectiveSet.make(backend="lsa", placement="split", sync="peer", issuer="cta", comm_ctas=8,
+                                 chunk_bytes=64 << 20, language="cuda",
+                                 knobs=dict(threads=512, order="staggered", comm_priority=-1, wait="kernel",
+                                            carveout=True, graph=True))
+
+    def default_shape(self, world_size: int) -> Shape:
+        return self.wl.make_shape(8192, 8192, 8192, world_size)
+
+    @staticmethod
+    def chunks_for(ds: DirectiveSet, shape: Shape, world_size: int) -> int:
+        if ds.sync == "peer":
+            return 1
+        shard_bytes = shape["M"] // world_size * shape["K"] * 2  # bf16
+        return max(1, min(MAX_CHUNKS, shard_bytes // ds.chunk_bytes))
+
+    def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
+        return with_config(self._seed_text, comm_ctas=ds.comm_ctas, chunks=self.chunks_for(ds, shape, world_size),
+                           **ds.knob_dict)
+
+
+def make_template(workload: Any = None) -> GemmAllGatherTemplate:
+    return GemmAllGatherTemplate(workload)

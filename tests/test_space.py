@@ -1,0 +1,136 @@
+"""The design space: validation with reasons, capabilities, serialisation, prompt, gemm template."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from commweave.evaluate.program import load_program, parse_program
+from commweave.space import Capabilities, DirectiveSet, Space, directives_of, filter_capable
+from commweave.workloads.gemm_allgather.template import MAX_CHUNKS, make_template
+
+SPACE = Space(tolerance=0.1)
+
+
+def test_default_set_is_valid():
+    assert DirectiveSet().validate(SPACE) == []
+
+
+INVALID = [
+    (dict(backend="nvshmem"), "backend must be one of lsa, gin, ce"),
+    (dict(chunk_bytes=3 << 20), "is not a power of two"),
+    (dict(chunk_bytes=1 << 30), "outside this workload's range"),
+    (dict(backend="ce", comm_ctas=8, issuer="thread"), "comm_ctas must be 0"),
+    (dict(backend="ce", comm_ctas=0, issuer="thread", placement="fused"), "ce cannot be fused"),
+    (dict(backend="ce", comm_ctas=0, issuer="cta"), "issuer must be thread"),
+    (dict(comm_ctas=3), "comm_ctas must be one of"),
+    (dict(backend="gin"), "gin is not available on this machine: no RDMA NIC"),
+    (dict(placement="deferred", sync="chunk"), "nothing to overlap"),
+    (dict(placement="split", sync="global"), "which is placement deferred"),
+    (dict(language="triton", issuer="warp"), "issuer must be cta"),
+    (dict(group_size=128), "group_size is only meaningful with compression"),
+    (dict(compression="fp8_e4m3", group_size=100), "group_size must be one of"),
+]
+
+
+@pytest.mark.parametrize("changes,reason", INVALID, ids=[r for _, r in INVALID])
+def test_invalid_sets_give_their_reason(changes, reason):
+    why = DirectiveSet().with_(**changes).validate(SPACE)
+    assert any(reason in w for w in why), why
+
+
+def test_compression_needs_a_tolerance_that_allows_it():
+    ds = DirectiveSet().with_(compression="fp8_e5m2", group_size=128)
+    assert ds.validate(Space(tolerance=0.1)) == []
+    assert "expected error" in " ".join(ds.validate(Space(tolerance=0.05)))
+    assert DirectiveSet().with_(compression="fp8_e4m3", group_size=128).validate(Space(tolerance=0.05)) == []
+    assert "declares no tolerance" in " ".join(ds.validate(Space(tolerance=None)))
+    assert Space(tolerance=None).admitted_compressions() == ("none",)
+
+
+def test_capability_filter_keeps_gin_only_where_probed():
+    sets = [DirectiveSet(), DirectiveSet().with_(backend="gin")]
+    kept, excluded = filter_capable(sets, Space(capabilities=Capabilities.from_nics([])))
+    assert kept == [DirectiveSet()] and "no RDMA NIC" in excluded[0][1][0]
+    probed = Capabilities.from_probe({"gin": True, "gin_reason": ""})
+    kept, excluded = filter_capable(sets, Space(capabilities=probed))
+    assert len(kept) == 2 and not excluded
+    reason = Capabilities.from_probe({"gin": False, "gin_reason": "NCCL created no GIN context"}).gin_reason
+    assert "GIN context" in DirectiveSet().with_(backend="gin").validate(
+        Space(capabilities=Capabilities(False, reason)))[0]
+
+
+def test_json_round_trip_and_canonical_key():
+    ds = DirectiveSet.make(knobs={"b": 1, "a": "x"}, comm_ctas=4, chunk_bytes=1 << 18)
+    again = DirectiveSet.from_json(ds.to_json())
+    assert again == ds and again.key == ds.key and hash(again) == hash(ds)
+    assert DirectiveSet.make(knobs={"a": "x", "b": 1}, comm_ctas=4, chunk_bytes=1 << 18).key == ds.key
+    with pytest.raises(ValueError, match="unknown directive"):
+        DirectiveSet.from_dict({"bogus": 1})
+    assert ds.with_(**{"knob:a": "y"}).diff(ds) == ["knob:a"]
+
+
+def test_prompt_describes_every_directive():
+    text = DirectiveSet.make(knobs={"order": "staggered"}, compression="fp8_e4m3", group_size=128).render_prompt()
+    for word in ("backend: `lsa`", "placement: `split`", "sync: `chunk`", "issuer: `cta`", "comm_ctas: `8`",
+                 "1 MiB", "fp8_e4m3", "group_size: `128`", "language: `cuda`", "order='staggered'"):
+        assert word in text
+
+
+# -- gemm-allgather's template ------------------------------------------------------------------
+TEMPLATE = make_template()
+SHAPE = TEMPLATE.default_shape(4)
+
+
+def test_template_rejects_what_it_does_not_implement():
+    seed = TEMPLATE.seed_directives()
+    assert TEMPLATE.check(seed, 4) == []
+    cases = {
+        "backend ce": (dict(backend="ce", comm_ctas=0, issuer="thread"), "implements backend lsa only"),
+        "fused": (dict(placement="fused"), "implements placement split only"),
+        "triton": (dict(language="triton"), "implements language cuda only"),
+        "warp": (dict(issuer="warp"), "implements issuer cta only"),
+        "knob": (dict(knobs={"order": "ring"}), "knob order='ring' is not one of"),
+    }
+    for name, (changes, reason) in cases.items():
+        assert any(reason in w for w in TEMPLATE.check(seed.with_(**changes), 4)), name
+    with pytest.raises(ValueError, match="backend lsa only"):
+        TEMPLATE.render(seed.with_(backend="gin"), SHAPE, 4)
+    assert "no knob 'extra'" in " ".join(TEMPLATE.unsupported(seed.with_(knobs={"extra": 1})))
+
+
+def test_chunk_bytes_become_chunks_per_shard():
+    seed = TEMPLATE.seed_directives().with_(sync="chunk")
+    shard = SHAPE["M"] // 4 * SHAPE["K"] * 2  # 32 MiB
+    assert TEMPLATE.chunks_for(seed.with_(chunk_bytes=1 << 20), SHAPE, 4) == shard >> 20
+    assert TEMPLATE.chunks_for(seed.with_(chunk_bytes=64 << 20), SHAPE, 4) == 1
+    assert TEMPLATE.chunks_for(seed.with_(chunk_bytes=256 << 10), SHAPE, 4) == MAX_CHUNKS
+    assert TEMPLATE.chunks_for(seed.with_(sync="peer", chunk_bytes=1 << 20), SHAPE, 4) == 1
+
+
+def test_rendered_sample_parses_carries_its_directives_and_compiles():
+    from commweave.runtime.compile import compile_cubin
+
+    values = TEMPLATE.dimension_values(4)
+    rng = random.Random(3)
+    sources = set()
+    for _ in range(12):
+        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()})
+        if TEMPLATE.check(ds, 4):
+            continue
+        text = TEMPLATE.render(ds, SHAPE, 4)
+        parsed = parse_program(text)
+        assert directives_of(text) == ds
+        config = load_program(text).CONFIG
+        assert config["comm_ctas"] == ds.comm_ctas and config["chunks"] == TEMPLATE.chunks_for(ds, SHAPE, 4)
+        assert all(config[k] == v for k, v in ds.knobs)
+        sources.update(parsed.cuda_sources.values())
+    assert sources
+    for source in sources:
+        assert compile_cubin(source).path.exists()
+
+
+def test_seed_rendering_is_the_seed():
+    rendered = TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)
+    assert load_program(rendered).CONFIG == load_program(TEMPLATE.wl.program_text("seed")).CONFIG
