@@ -1,0 +1,231 @@
+"""FP8 group quantization with an optional Hadamard transform and dual scales (torch reference).
+
+A tensor is flattened and cut into groups of G contiguous elements (G a power of two, 32..512).
+Per group, with every option on (the TACO scheme):
+
+    s1 = rms(x)                      pre-scale (FP32): the group to unit RMS
+    y  = H (x / s1)                  orthonormal fast Walsh-Hadamard transform, spreads outliers
+    s2 = absmax(y) / FP8_MAX         post-scale (FP32): the group's largest value to the FP8 maximum
+    q  = fp8(y / s2)                 payload, float8_e4m3fn or float8_e5m2
+
+and decompression is x ~= s1 * H(s2 * q) (H is symmetric and orthonormal: its own inverse).
+
+Options, each switchable so its value can be measured (bench/taco_error_table.py):
+  hadamard=False     no transform (y = x / s1)
+  dual_scale=False   one absmax scale per group after the transform (s1 = 1, not stored)
+  fmt                'e4m3' (max 448, 3 mantissa bits) or 'e5m2' (max 57344, 2 mantissa bits)
+  transform_input_dtype  the dtype the transform's input is rounded to. FP32 by default; fast
+                     Hadamard kernels run the transform as a 16-bit tensor-core matmul (FP32
+                     accumulation), which this option emulates with a saturating cast. In exact
+                     FP32 arithmetic the two scales multiply to the single scale, so the dual
+                     scale only shows its value where the transform's input is 16-bit: the
+                     pre-scale keeps near-zero groups out of FP16's subnormals and huge ones out of
+                     its overflow.
+
+Sizes that are not a multiple of G: with pad=True (default) the flattened tensor is padded with
+zeros to the next multiple of G (the padding is part of the payload and dropped on decompress);
+with pad=False a ValueError is raised. Zero groups get scales of 1 (payload zeros), so zeros,
+constants, FP32 subnormals and huge finite outliers never produce NaN or Inf: with dual scales for
+every finite FP32 input; with a single scale and the transform on, for |x| <= FP32_MAX / sqrt(G)
+(about 1.5e37 at G=512: the transform sees the raw values). Non-finite inputs are not supported
+(they propagate).
+
+Works on CPU and on CUDA tensors alike (pure torch); fused kernels are to replace it on GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}
+TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_GROUP, MAX_GROUP = 32, 512
+_SQRT_HALF = math.sqrt(0.5)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a tensor is compressed; every switch is independent."""
+
+    group_size: int = 128
+    fmt: str = "e4m3"
+    hadamard: bool = True
+    dual_scale: bool = True
+    pad: bool = True
+    transform_input_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        g = self.group_size
+        if not isinstance(g, int) or isinstance(g, bool) or g < MIN_GROUP or g > MAX_GROUP or g & (g - 1):
+            raise ValueError(f"group_size must be a power of two in {MIN_GROUP}..{MAX_GROUP}, got {g!r}")
+        if self.fmt not in FP8_DTYPES:
+            raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {self.fmt!r}")
+        if self.transform_input_dtype not in TRANSFORM_INPUT_DTYPES:
+            raise ValueError(f"transform_input_dtype must be one of {TRANSFORM_INPUT_DTYPES}, got {self.transform_input_dtype}")
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return FP8_DTYPES[self.fmt]
+
+    @property
+    def fp8_max(self) -> float:
+        return FP8_MAX[self.fmt]
+
+    @property
+    def scales_per_group(self) -> int:
+        return 2 if self.dual_scale else 1
+
+    def num_groups(self, numel: int) -> int:
+        if numel % self.group_size and not self.pad:
+            raise ValueError(f"{numel} elements are not a multiple of group_size={self.group_size} and pad=False")
+        return -(-numel // self.group_size)
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes on the wire for `numel` elements: FP8 payload (padded) plus FP32 scales."""
+        groups = self.num_groups(numel)
+        return groups * self.group_size + 4 * self.scales_per_group * groups
+
+
+@dataclass
+class Compressed:
+    """A compressed tensor: FP8 payload (groups, G), FP32 scales (groups,), original shape/dtype."""
+
+    payload: torch.Tensor
+    scale: torch.Tensor  # post-transform absmax scale (the only one when dual_scale=False)
+    pre_scale: torch.Tensor | None  # RMS pre-scale, None when dual_scale=False
+    shape: torch.Size
+    dtype: torch.dtype
+    config: QuantConfig
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_groups(self) -> int:
+        return self.payload.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.pre_scale is None else self.pre_scale.numel() * 4
+        return self.payload.numel() + self.scale.numel() * 4 + extra
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dimension (a power of two).
+
+    Sylvester ordering, scaled by 1/sqrt(2) at each of the log2(n) butterfly stages (1/sqrt(n) in
+    all): orthogonal, symmetric, hence its own inverse. Per-stage scaling bounds intermediate
+    growth by sqrt(n), so FP32 inputs up to FP32_MAX / sqrt(n) cannot overflow."""
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the last dimension must be a power of two, got {n}")
+    lead = x.shape[:-1]
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2) * _SQRT_HALF
+        h *= 2
+    return y.reshape(*lead, n)
+
+
+def _saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return x
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype).float()
+
+
+def _groups(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    flat = x.detach().reshape(-1).float()
+    groups = cfg.num_groups(flat.numel())
+    pad = groups * cfg.group_size - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(groups, cfg.group_size)
+
+
+def _rms(g: torch.Tensor) -> torch.Tensor:
+    """Per-row RMS without overflow (|x| up to FP32 max) or underflow to zero for nonzero rows."""
+    absmax = g.abs().amax(dim=1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    rms = safe * (g / safe[:, None]).square().mean(dim=1).sqrt()
+    # a row of tiny subnormals can round its RMS to zero: fall back to its absmax, and to 1 for zeros
+    return torch.where(rms > 0, rms, safe)
+
+
+def compress(x: torch.Tensor, cfg: QuantConfig | None = None) -> Compressed:
+    """Compress `x` (any shape, floating point) to FP8 groups with their scales."""
+    cfg = cfg or QuantConfig()
+    if not x.is_floating_point():
+        raise TypeError(f"compress needs a floating-point tensor, got {x.dtype}")
+    g = _groups(x, cfg)
+    pre = None
+    if cfg.dual_scale:
+        pre = _rms(g)
+        g = g / pre[:, None]
+    if cfg.hadamard:
+        g = fwht(_saturating_cast(g, cfg.transform_input_dtype))
+    absmax = g.abs().amax(dim=1)
+    scale = absmax / cfg.fp8_max
+    tiny = torch.finfo(torch.float32).smallest_normal
+    # zero groups: scale 1; groups so small that absmax/FP8_MAX underflows: the smallest normal
+    scale = torch.where(absmax > 0, scale.clamp_min(tiny), torch.ones_like(scale))
+    q = (g / scale[:, None]).clamp(-cfg.fp8_max, cfg.fp8_max).to(cfg.fp8_dtype)
+    return Compressed(q, scale, pre, x.shape, x.dtype, cfg)
+
+
+def decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from)."""
+    g = c.payload.float() * c.scale[:, None]
+    if c.config.hadamard:
+        g = fwht(g)
+    if c.pre_scale is not None:
+        g = g * c.pre_scale[:, None]
+    out = g.reshape(-1)[: c.numel].view(c.shape)
+    return out.to(dtype or c.dtype)
+
+
+def roundtrip(x: torch.Tensor, cfg: QuantConfig | None = None) -> torch.Tensor:
+    return decompress(compress(x, cfg))
+
+
+def plain_fp8_cast(x: torch.Tensor, fmt: str = "e4m3", per_tensor_scale: bool = True) -> torch.Tensor:
+    """The baseline: cast the whole tensor to FP8 with one absmax scale (or none) and back."""
+    dtype, top = FP8_DTYPES[fmt], FP8_MAX[fmt]
+    xf = x.detach().float()
+    scale = torch.tensor(1.0)
+    if per_tensor_scale:
+        absmax = xf.abs().max()
+        scale = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax)).clamp_min(torch.finfo(torch.float32).smallest_normal)
+    q = (xf / scale).clamp(-top, top).to(dtype)
+    return (q.float() * scale).to(x.dtype)
+
+
+# -- wire format: one contiguous uint8 buffer per message (what a symmetric window would hold) --
+
+def pack(c: Compressed) -> torch.Tensor:
+    """payload bytes, then FP32 scale, then FP32 pre-scale (if any), as one uint8 tensor."""
+    parts = [c.payload.reshape(-1).view(torch.uint8), c.scale.contiguous().view(torch.uint8)]
+    if c.pre_scale is not None:
+        parts.append(c.pre_scale.contiguous().view(torch.uint8))
+    return torch.cat(parts)
+
+
+def unpack(buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
+    """Inverse of pack() for a tensor of `shape`/`dtype` compressed with `cfg`."""
+    shape = torch.Size(shape)
+    groups = cfg.num_groups(math.prod(shape))
+    n_payload = groups * cfg.group_size
+    if buf.numel() != cfg.wire_bytes(math.prod(shape)) or buf.dtype != torch.uint8:
+        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
+    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
+    scale = buf[n_payload:n_payload + 4 * groups].clone().view(torch.float32)
+    pre = buf[n_payload + 4 * groups:].clone().view(torch.float32) if cfg.dual_scale else None
+    return Compressed(payload, scale, pre, shape, dtype, cfg)
