@@ -31,6 +31,12 @@ def directives_of(text: str) -> DirectiveSet | None:
     return None
 
 
+def program_body(text: str) -> str:
+    """The text without its directive header: what actually runs (two sets that render the same
+    body are the same program)."""
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(DIRECTIVES_PREFIX))
+
+
 class Template(ABC):
     """A workload's generator. `supported` maps a dimension (a directive or 'knob:<name>') to the
     values this template implements; dimensions missing from it are implemented for every value."""

@@ -1,0 +1,193 @@
+"""The program database: one SQLite file per run (WAL), one committed transaction per program.
+
+Every evaluated program is committed before the search proposes the next, so a `kill -9` at any
+moment loses at most the evaluation in flight; reopening continues the run (ids and generations
+go on from where they stopped). Tables:
+
+- `run`: the run's metadata as key -> JSON (workload, shape, gpus, budget, seed, created_at, ...)
+- `programs`: code, its hash, directive set (JSON) and its key, parent ids (JSON), island,
+  generation, status ('ok' | 'failed' | 'rejected'), fitness, failure class and message, timings
+  (JSON: candidate/baseline medians, floor, compile and evaluation seconds), proposer, cost ($),
+  created_at
+- `migrations`: a program copied to another island (it is not evaluated again)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS programs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    code TEXT NOT NULL,
+    code_hash TEXT NOT NULL,
+    directives TEXT,
+    directive_key TEXT,
+    parents TEXT NOT NULL DEFAULT '[]',
+    island INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    fitness REAL NOT NULL DEFAULT 0,
+    failure TEXT,
+    message TEXT NOT NULL DEFAULT '',
+    timings TEXT NOT NULL DEFAULT '{}',
+    proposer TEXT NOT NULL DEFAULT '',
+    cost REAL NOT NULL DEFAULT 0,
+    created_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS programs_island ON programs (island);
+CREATE INDEX IF NOT EXISTS programs_code ON programs (code_hash);
+CREATE TABLE IF NOT EXISTS migrations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    program_id INTEGER NOT NULL REFERENCES programs (id),
+    from_island INTEGER NOT NULL,
+    to_island INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    created_at TEXT NOT NULL
+);
+"""
+
+
+def code_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class ProgramRecord:
+    id: int
+    code: str
+    code_hash: str
+    directives: dict[str, Any] | None
+    directive_key: str | None
+    parents: list[int]
+    island: int
+    generation: int
+    status: str
+    fitness: float
+    failure: str | None
+    message: str
+    timings: dict[str, Any]
+    proposer: str
+    cost: float
+    created_at: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class ProgramDB:
+    """A run's database. One writer (the search); readers (report) may open it concurrently."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None, check_same_thread=False)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> ProgramDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- run metadata ---------------------------------------------------------------------------
+    def set_meta(self, **values: Any) -> None:
+        with self.conn:
+            self.conn.execute("BEGIN")
+            self.conn.executemany("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)",
+                                  [(k, json.dumps(v)) for k, v in values.items()])
+
+    def meta(self) -> dict[str, Any]:
+        return {row["key"]: json.loads(row["value"]) for row in self.conn.execute("SELECT key, value FROM run")}
+
+    # -- programs -------------------------------------------------------------------------------
+    def add_program(self, *, code: str, directives: dict[str, Any] | None, directive_key: str | None = None,
+                    parents: list[int] = (), island: int, generation: int, status: str, fitness: float = 0.0,
+                    failure: str | None = None, message: str = "", timings: dict[str, Any] | None = None,
+                    proposer: str = "", cost: float = 0.0, meta: dict[str, Any] | None = None) -> int:
+        """Insert one program (and optionally update run metadata) in one committed transaction."""
+        if status not in ("ok", "failed", "rejected"):
+            raise ValueError(f"status must be ok, failed or rejected, not {status!r}")
+        with self.conn:
+            self.conn.execute("BEGIN")
+            cur = self.conn.execute(
+                "INSERT INTO programs (code, code_hash, directives, directive_key, parents, island, generation, status,"
+                " fitness, failure, message, timings, proposer, cost, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (code, code_hash(code), json.dumps(directives) if directives is not None else None, directive_key,
+                 json.dumps(list(parents)), island, generation, status, float(fitness), failure, message,
+                 json.dumps(timings or {}, default=str), proposer, float(cost), _now()))
+            if meta:
+                self.conn.executemany("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)",
+                                      [(k, json.dumps(v)) for k, v in meta.items()])
+            return int(cur.lastrowid)
+
+    def add_migration(self, program_id: int, from_island: int, to_island: int, generation: int) -> None:
+        with self.conn:
+            self.conn.execute("BEGIN")
+            self.conn.execute("INSERT INTO migrations (program_id, from_island, to_island, generation, created_at)"
+                              " VALUES (?, ?, ?, ?, ?)", (program_id, from_island, to_island, generation, _now()))
+
+    @staticmethod
+    def _record(row: sqlite3.Row) -> ProgramRecord:
+        return ProgramRecord(row["id"], row["code"], row["code_hash"],
+                             json.loads(row["directives"]) if row["directives"] else None, row["directive_key"],
+                             json.loads(row["parents"]), row["island"], row["generation"], row["status"],
+                             row["fitness"], row["failure"], row["message"], json.loads(row["timings"]),
+                             row["proposer"], row["cost"], row["created_at"])
+
+    def programs(self, status: str | None = None) -> list[ProgramRecord]:
+        if status is None:
+            rows = self.conn.execute("SELECT * FROM programs ORDER BY id")
+        else:
+            rows = self.conn.execute("SELECT * FROM programs WHERE status = ? ORDER BY id", (status,))
+        return [self._record(r) for r in rows]
+
+    def get(self, program_id: int) -> ProgramRecord:
+        row = self.conn.execute("SELECT * FROM programs WHERE id = ?", (program_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no program {program_id} in {self.path}")
+        return self._record(row)
+
+    def migrations(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM migrations ORDER BY id")]
+
+    def best(self) -> ProgramRecord | None:
+        row = self.conn.execute("SELECT * FROM programs WHERE status = 'ok' ORDER BY fitness DESC, id LIMIT 1").fetchone()
+        return self._record(row) if row else None
+
+    def count(self, evaluated_only: bool = True) -> int:
+        where = " WHERE status != 'rejected'" if evaluated_only else ""
+        return int(self.conn.execute(f"SELECT COUNT(*) FROM programs{where}").fetchone()[0])
+
+    def has_code(self, text: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM programs WHERE code_hash = ? LIMIT 1", (code_hash(text),)).fetchone() is not None
+
+    def lineage(self, program_id: int) -> list[ProgramRecord]:
+        """The program, its first parent, that parent's first parent, ... back to the root."""
+        chain, seen = [], set()
+        current: int | None = program_id
+        while current is not None and current not in seen:
+            seen.add(current)
+            record = self.get(current)
+            chain.append(record)
+            current = record.parents[0] if record.parents else None
+        return chain
