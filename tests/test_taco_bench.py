@@ -1,0 +1,33 @@
+"""Smoke test of bench/taco_error_table.py's pieces on small inputs (the full run is the bench)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).parents[1] / "bench" / "taco_error_table.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("taco_error_table", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_error_table_pieces_on_a_tiny_run():
+    bench = _load()
+    tensors, info = bench.train_and_capture(steps=2, batch=2)
+    assert set(tensors) == {"ln_act", "ln_grad", "proj_grad"}
+    assert all(t.numel() > 0 and torch.isfinite(t).all() for t in tensors.values())
+    assert info["steps"] == 2 and info["train_loss_first"] > 4  # ~ln(256) at the start
+    small = {name: t[:4096] for name, t in {**bench.synthetic(), **tensors}.items()}
+    rows = bench.measure(small)
+    assert len(rows) == 4 + len(bench.configs())
+    for row in rows:
+        assert all(0 <= row[name] < 1.01 and 0 <= row[name + "_bulk99"] < 1.01 for name in small)
+    stats = {name: bench.stats(t) for name, t in small.items()}
+    text = bench.markdown(rows, info, stats, "x.json")
+    assert text.count("| TACO |") == len(bench.configs()) and "## E5M2" in text
