@@ -145,7 +145,7 @@ def train_and_capture(steps: int, batch: int = 8, ctx: int = 128, seed: int = 0)
                 f"({len(text)} bytes), last 5% held out",
         "steps": steps, "batch": batch, "optimizer": "AdamW lr 3e-3 one-cycle, clip 1.0",
         "train_loss_first": losses[0], "train_loss_last10_mean": sum(losses[-10:]) / 10,
-        "held_out_loss": float(held_loss), "train_seconds": round(train_s, 1),
+        "held_out_loss": held_loss.item(), "train_seconds": round(train_s, 1),
         "loss_every_25_steps": [round(v, 4) for v in losses[::25]],
     }
     return tensors, info
