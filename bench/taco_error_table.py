@@ -222,6 +222,22 @@ def measure(tensors: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
+def _taco(g: int, h: bool, d: bool, t: str = "fp32"):
+    return lambda r: (r["method"].startswith("TACO") and r["group_size"] == g and r["hadamard"] == h
+                      and r["dual_scale"] == d and r["transform_input"] == t)
+
+
+HEADLINE = [
+    ("raw FP8 cast, no scale", lambda r: r["method"].startswith("raw")),
+    ("plain FP8 cast, per-tensor scale", lambda r: r["method"].startswith("plain")),
+    ("groups, one absmax scale, no Hadamard", _taco(128, False, False)),
+    ("groups, dual scales, no Hadamard", _taco(128, False, True)),
+    ("groups, Hadamard, one absmax scale", _taco(128, True, False)),
+    ("groups, Hadamard, dual scales (TACO)", _taco(128, True, True)),
+    ("groups, Hadamard, dual scales, FP16 transform input", _taco(128, True, True, "fp16")),
+]
+
+
 def markdown(rows: list[dict], info: dict, tstats: dict, json_name: str) -> str:
     lines = [
         "# TACO error table: relative error against BF16",
@@ -244,6 +260,12 @@ def markdown(rows: list[dict], info: dict, tstats: dict, json_name: str) -> str:
     for name in TENSORS:
         s = tstats[name]
         lines.append(f"| {name} | {s['numel']} | {s['rms']:.3g} | {s['absmax_over_rms']:.1f} | {s['kurtosis']:.1f} |")
+    lines += ["", "## Headline: G = 128", "",
+              "| fmt | method | " + " | ".join(TENSORS) + " |", "|---|---|" + "---|" * len(TENSORS)]
+    for fmt in FORMATS:
+        for label, pick in HEADLINE:
+            r = next(r for r in rows if r["fmt"] == fmt and pick(r))
+            lines.append(f"| {fmt.upper()} | {label} |" + "".join(f" {r[name]:.4f} ({r[name + '_bulk99']:.4f}) |" for name in TENSORS))
     for fmt in FORMATS:
         lines += ["", f"## {fmt.upper()}", "",
                   "| method | G | H | dual | T16 | bytes/elt | " + " | ".join(TENSORS) + " |",
