@@ -1,4 +1,4 @@
-"""The `commweave` command: doctor, list, bench."""
+"""The `commweave` command: doctor, list, bench, evolve, report, export."""
 
 from __future__ import annotations
 
@@ -186,6 +186,113 @@ def bench(
             if not verdict["ok"]:
                 console.print(f"{row['shape']} {name}: {verdict['failure']}: {verdict['message']}", highlight=False)
     console.print(f"results: {path}")
+
+
+# -- the slow path: evolve, report, export -------------------------------------------------------
+@app.command()
+def evolve(
+    workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
+    gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
+    budget: str = typer.Option("200", "--budget", help="evaluations (200) or wall time (20m, 90s, 1h)"),
+    shape: str = typer.Option(None, "--shape", help="the shape to optimise (default: the template's, 8192^3 for gemm-allgather)"),
+    islands: int = typer.Option(4, "--islands", min=1),
+    seed: int = typer.Option(0, "--seed", help="random seed of the search"),
+    resume: Path = typer.Option(None, "--resume", help="a run database to continue (its workload, shape, GPUs and budget)"),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="where a new run's database goes"),
+    iters: int = typer.Option(20, "--iters", min=1, help="timed iterations per candidate"),
+    warmup: int = typer.Option(5, "--warmup", min=1),
+    seeds: int = typer.Option(2, "--seeds", min=2, help="fresh random inputs per correctness check"),
+    compile_workers: int = typer.Option(8, "--compile-workers", min=1, help="CPU threads compiling ahead of the GPUs"),
+    job_timeout: float = typer.Option(120.0, "--job-timeout", help="seconds before a hung candidate is killed"),
+) -> None:
+    """Search the workload's directive space and template knobs on this machine's GPUs (offline
+    proposer, no LLM). Every evaluated program goes to one SQLite file per run; --resume continues
+    a run killed at any moment."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from commweave.evaluate.evaluator import Evaluator
+    from commweave.evaluate.floor import calibrate
+    from commweave.runtime import PoolStartError, WorkerPool
+    from commweave.search import Budget, SearchConfig
+    from commweave.search.driver import evolve as drive, new_run_path, run_meta, template_for
+    from commweave.workloads import get_workload
+
+    try:
+        if resume is not None:
+            meta = run_meta(resume)
+            if meta["workload"] != workload:
+                raise ValueError(f"{resume} is a run of {meta['workload']!r}, not {workload!r}")
+            gpus, shape, islands, seed = meta["gpus"], meta["shape"], meta["islands"], meta.get("seed", seed)
+            run_budget = Budget(**meta["budget"])
+        else:
+            run_budget = Budget.parse(budget)
+        wl = get_workload(workload)
+        wl.check_world_size(gpus)
+        template = template_for(wl)
+        chosen = wl.parse_shape(shape, gpus) if shape else template.default_shape(gpus)
+    except (KeyError, ValueError, LookupError, FileNotFoundError) as exc:
+        _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
+    _require_gpus(gpus, f"evolve {workload} --gpus {gpus}")
+    path = resume if resume is not None else new_run_path(workload, gpus, runs_dir)
+    console.print(f"run: {path} ({chosen}, {gpus} GPUs, budget {run_budget.to_dict()})", highlight=False)
+    config = SearchConfig(islands=islands, compile_workers=compile_workers, seed=seed)
+    try:
+        with WorkerPool(gpus, job_timeout_s=job_timeout) as pool:
+            rates = calibrate(pool)
+            evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates, job_timeout_s=job_timeout)
+            columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=console) as progress:
+                best, count = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
+                                    workload=wl, progress=progress)
+    except PoolStartError as exc:
+        _fail(str(exc))
+    if best is None:
+        console.print(f"{count} programs evaluated, none correct. run: {path}", highlight=False)
+        raise typer.Exit(1)
+    console.print(f"best: program #{best.id}, {best.fitness:.2f}x over {best.timings.get('baseline')} "
+                  f"({count} evaluated). Next: commweave report {path}; commweave export {path} --out best.py",
+                  highlight=False)
+
+
+@app.command()
+def report(
+    run: Path = typer.Argument(..., help="a run database written by `commweave evolve`"),
+    out: Path = typer.Option(None, "--out", help="output folder (default: beside the database, <name>-report)"),
+) -> None:
+    """One self-contained HTML page for a run (plots embedded), with the plots as PNGs beside it."""
+    from commweave.report.html import write_report
+
+    try:
+        page = write_report(run, out)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(f"report: {page}", highlight=False)
+
+
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="a run database written by `commweave evolve`"),
+    out: Path = typer.Option(..., "--out", help="file to write the best program to"),
+) -> None:
+    """Write a run's best program (a candidate program text, with its directive set in the first
+    line) to a file. Time it beside the baselines with `commweave bench WORKLOAD --candidate FILE`.
+    Loading it as a PyTorch op through the `ops` API is not built yet (a later issue)."""
+    from commweave.search.db import ProgramDB
+    from commweave.search.driver import run_meta
+
+    try:
+        meta = run_meta(run)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    with ProgramDB(run) as db:
+        best = db.best()
+    if best is None:
+        _fail(f"run {run} has no correct program to export")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(best.code)
+    console.print(f"program #{best.id} ({best.fitness:.2f}x over {best.timings.get('baseline')} on {meta.get('shape')}) "
+                  f"-> {out}. Time it: commweave bench {meta['workload']} --gpus {meta['gpus']} --candidate {out}",
+                  highlight=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

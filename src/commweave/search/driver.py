@@ -1,0 +1,74 @@
+"""Starting or resuming a run: the workload's template, the run's database file, a progress bar.
+
+`commweave evolve` is this plus a GPU pool and the real Evaluator; anything with
+`evaluate(text, shape)` can drive it (the tests use the simulated evaluator on a CPU).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+from pathlib import Path
+from typing import Any
+
+from commweave.search.db import ProgramDB
+from commweave.search.evolve import Budget, Evolution, SearchConfig
+from commweave.space import Template
+
+RUNS_DIR = Path("runs")
+
+
+def template_for(workload: Any) -> Template:
+    """The template of a workload: `make_template(workload)` in the `template` module beside its
+    `workload.py`; a clear error for a workload that has none."""
+    package = type(workload).__module__.rpartition(".")[0]
+    if not package:
+        raise LookupError(f"workload {workload.name!r} has no template (its module is not in a package), so it "
+                          "cannot be searched yet")
+    try:
+        module = importlib.import_module(f"{package}.template")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{package}.template":
+            raise
+        raise LookupError(f"workload {workload.name!r} has no template ({package}.template), so it cannot be "
+                          "searched yet") from None
+    return module.make_template(workload)
+
+
+def new_run_path(workload: str, gpus: int, runs_dir: Path = RUNS_DIR) -> Path:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return Path(runs_dir) / f"evolve-{workload}-{gpus}gpu-{stamp}.sqlite"
+
+
+def run_meta(path: Path) -> dict[str, Any]:
+    """A run's metadata (workload, shape, gpus, budget, ...); error if it is not a run database."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no run database at {path}")
+    with ProgramDB(path) as db:
+        meta = db.meta()
+    if "workload" not in meta:
+        raise ValueError(f"{path} holds no run (no metadata)")
+    return meta
+
+
+def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
+           config: SearchConfig, *, rates: Any = None, workload: Any = None, progress: Any = None):
+    """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
+    speedup so far. Returns (best record or None, evaluations in the database)."""
+    with ProgramDB(db_path) as db:
+        task = None
+
+        def on_result(record: Any, search: Evolution) -> None:
+            if progress is None:
+                return
+            best = search.best
+            what = f"best {best.fitness:.2f}x (#{best.id})" if best else "no correct program yet"
+            progress.update(task, completed=min(search.fraction(), 1.0) * 1000,
+                            description=f"{search.phase()} · {search.evaluated} evaluated · {what}")
+
+        search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates, workload=workload,
+                           on_result=on_result)
+        if progress is not None:
+            task = progress.add_task("starting", total=1000)
+        best = search.run()
+        return best, db.count()
