@@ -5,6 +5,8 @@
 Tensors (each cast to BF16 first; the BF16 tensor is the reference and the quantizer's input):
   gaussian       N(0, 1), 2^20 elements
   student_t      Student-t (3 degrees of freedom) with 0.05% of elements multiplied by 100
+  token_scaled   Gaussian tokens of width 128 whose scales spread log-uniformly over 1e-5..1
+                 (per-token magnitudes that differ by orders, as across a batch's tokens)
   ln_act         post-LayerNorm activations of a tiny GPT (what a sequence-parallel column-parallel
                  Linear all-gathers forward)
   ln_grad        gradients w.r.t. those activations (what its backward reduce-scatters)
@@ -14,7 +16,7 @@ The model tensors come from a byte-level GPT (4 layers, width 128, 4 heads, cont
 on CPU for --steps steps on the Python standard library's own source files (real text, offline),
 captured on a held-out batch after training.
 
-Configurations: FP8 E4M3 and E5M2, G in {32, 128, 512}, Hadamard on/off, dual scales on/off, and
+Configurations: FP8 E4M3 and E5M2, G in {32, 128, 512}, Hadamard on/off/adaptive, dual scales on/off, and
 (with Hadamard) the transform's input rounded to FP16 as a tensor-core kernel would; baselines: a
 plain FP8 cast with one per-tensor absmax scale, and a raw cast without any scale.
 Error: ||deq - x||_2 / ||x||_2 with x the BF16 tensor, deq decompressed in FP32; also the same over
@@ -43,7 +45,7 @@ from commweave.taco.quant import QuantConfig, compress, decompress, plain_fp8_ca
 
 FORMATS = ["e4m3", "e5m2"]
 GROUPS = [32, 128, 512]
-TENSORS = ["gaussian", "student_t", "ln_act", "ln_grad", "proj_grad"]
+TENSORS = ["gaussian", "student_t", "token_scaled", "ln_act", "ln_grad", "proj_grad"]
 MAX_ELEMENTS = 1 << 20
 
 
@@ -160,7 +162,9 @@ def synthetic(seed: int = 0) -> dict[str, torch.Tensor]:
     t = torch.randn(MAX_ELEMENTS, generator=gen) / chi2.sqrt()
     outliers = torch.randperm(MAX_ELEMENTS, generator=gen)[: MAX_ELEMENTS // 2000]
     t[outliers] *= 100.0
-    return {"gaussian": gaussian, "student_t": t}
+    token_scale = 10.0 ** (-5.0 * torch.rand(MAX_ELEMENTS // 128, 1, generator=gen))
+    token_scaled = (torch.randn(MAX_ELEMENTS // 128, 128, generator=gen) * token_scale).reshape(-1)
+    return {"gaussian": gaussian, "student_t": t, "token_scaled": token_scaled}
 
 
 def rel_err(deq: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None = None) -> float:
@@ -189,9 +193,9 @@ def stats(x: torch.Tensor) -> dict:
 
 def configs() -> list[dict]:
     out = []
-    for fmt, g, h, d in itertools.product(FORMATS, GROUPS, [False, True], [False, True]):
+    for fmt, g, h, d in itertools.product(FORMATS, GROUPS, [False, True, "adaptive"], [False, True]):
         out.append(dict(fmt=fmt, group_size=g, hadamard=h, dual_scale=d, transform_input="fp32"))
-        if h:
+        if h is True:
             out.append(dict(fmt=fmt, group_size=g, hadamard=h, dual_scale=d, transform_input="fp16"))
     return out
 
@@ -235,6 +239,7 @@ HEADLINE = [
     ("groups, Hadamard, one absmax scale", _taco(128, True, False)),
     ("groups, Hadamard, dual scales (TACO)", _taco(128, True, True)),
     ("groups, Hadamard, dual scales, FP16 transform input", _taco(128, True, True, "fp16")),
+    ("groups, adaptive Hadamard (per group), dual scales", _taco(128, "adaptive", True)),
 ]
 
 
@@ -244,7 +249,7 @@ def markdown(rows: list[dict], info: dict, tstats: dict, json_name: str) -> str:
         "",
         f"From [`{json_name}`]({json_name}) (`python bench/taco_error_table.py`, CPU). Error = "
         "‖deq − x‖₂ / ‖x‖₂ with x the BF16 tensor (the quantizer's input), deq decompressed in FP32. "
-        "H: Hadamard transform per group; dual: RMS pre-scale + absmax post-scale per group (else one "
+        "H: Hadamard transform per group (adaptive: per group, whichever of on/off gives the lower L2 error, flagged in the scale's sign); dual: RMS pre-scale + absmax post-scale per group (else one "
         "absmax scale); T16: the transform's input rounded to FP16, as a tensor-core Hadamard kernel would. "
         "Bytes/elt: FP8 payload plus FP32 scales (BF16 is 2). In parentheses: the same error over the 99% of "
         "elements smallest in magnitude (the whole-tensor norm is dominated by the largest elements).",
@@ -274,7 +279,8 @@ def markdown(rows: list[dict], info: dict, tstats: dict, json_name: str) -> str:
             if r["fmt"] != fmt:
                 continue
             if r["method"].startswith("TACO"):
-                head = (f"| TACO | {r['group_size']} | {'on' if r['hadamard'] else 'off'} | "
+                hada = {True: "on", False: "off", "adaptive": "adaptive"}[r["hadamard"]]
+                head = (f"| TACO | {r['group_size']} | {hada} | "
                         f"{'on' if r['dual_scale'] else 'off'} | {'on' if r['transform_input'] == 'fp16' else ''} | "
                         f"{r['wire_bytes_per_element']:.3f} |")
             else:

@@ -28,6 +28,9 @@ def test_group_size_must_be_a_power_of_two_in_range(bad):
 
 
 def test_bad_format_and_transform_dtype_are_rejected():
+    for bad in (1, 1.0, "yes", None):
+        with pytest.raises(ValueError, match="hadamard"):
+            QuantConfig(hadamard=bad)
     with pytest.raises(ValueError, match="fmt"):
         QuantConfig(fmt="e3m4")
     with pytest.raises(ValueError, match="transform_input_dtype"):
@@ -64,7 +67,7 @@ def test_round_trip_error_bounds(fmt, group_size):
     torch.manual_seed(group_size)
     x = torch.randn(64, 1024)
     bound = 2.0 ** -(MANTISSA_BITS[fmt] + 1)
-    for hadamard, dual in itertools.product([False, True], repeat=2):
+    for hadamard, dual in itertools.product([False, True, "adaptive"], [False, True]):
         cfg = QuantConfig(group_size, fmt, hadamard=hadamard, dual_scale=dual)
         c = compress(x, cfg)
         assert c.payload.dtype == cfg.fp8_dtype and c.payload.shape == (x.numel() // group_size, group_size)
@@ -98,11 +101,11 @@ def test_sizes_not_a_multiple_of_g_are_padded_or_rejected():
 
 
 EDGE_CONFIGS = [QuantConfig(g, fmt, hadamard=h, dual_scale=d, transform_input_dtype=t)
-                for g, fmt, h, d, t in itertools.product([32, 512], ["e4m3", "e5m2"], [False, True], [False, True],
+                for g, fmt, h, d, t in itertools.product([32, 512], ["e4m3", "e5m2"], [False, True, "adaptive"], [False, True],
                                                          [torch.float32, torch.float16, torch.bfloat16])]
 
 
-@pytest.mark.parametrize("cfg", EDGE_CONFIGS, ids=lambda c: f"G{c.group_size}-{c.fmt}-h{int(c.hadamard)}"
+@pytest.mark.parametrize("cfg", EDGE_CONFIGS, ids=lambda c: f"G{c.group_size}-{c.fmt}-h{c.hadamard}"
                          f"-d{int(c.dual_scale)}-{str(c.transform_input_dtype)[6:]}")
 def test_edge_inputs_give_no_nan_or_inf(cfg):
     n = 2048
@@ -117,7 +120,7 @@ def test_edge_inputs_give_no_nan_or_inf(cfg):
     tiny = torch.randn(n) * 1e-30  # far below FP8 and FP16 range, normal in FP32
     out = roundtrip(tiny, cfg)
     assert torch.isfinite(out).all()
-    if cfg.transform_input_dtype == torch.float32 or cfg.dual_scale or not cfg.hadamard:
+    if cfg.transform_input_dtype == torch.float32 or cfg.dual_scale or cfg.hadamard is not True:
         assert rel(out, tiny) < 0.13
     outliers = torch.randn(n)
     outliers[5], outliers[700], outliers[1500] = 1e30, -1e30, 1e6  # huge outliers inside groups
@@ -163,3 +166,21 @@ def test_pack_unpack_round_trip(dual):
     assert torch.equal(decompress(unpack(buf, x.shape, x.dtype, cfg)), decompress(c))
     with pytest.raises(ValueError, match="does not hold"):
         unpack(buf[:-4], x.shape, x.dtype, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_adaptive_hadamard_takes_the_better_of_both_per_group(fmt):
+    """Per group the L2 error is the smaller of the two modes', so the tensor's is at most either's."""
+    torch.manual_seed(1)
+    x = torch.randn(256, 128)
+    x[::4, 7] *= 300.0  # an outlier in every fourth group
+    errs = {}
+    for h in (False, True, "adaptive"):
+        c = compress(x, QuantConfig(128, fmt, hadamard=h))
+        errs[h] = (decompress(c) - x).square().sum(dim=1)
+        if h == "adaptive":
+            flags = c.scale < 0
+            assert flags.any() and not flags.all()  # a per-group choice, both ways taken
+            again = unpack(pack(c), x.shape, x.dtype, c.config)
+            assert torch.equal(decompress(again), decompress(c))  # the flag survives the wire format
+    assert (errs["adaptive"] <= torch.minimum(errs[False], errs[True]) * (1 + 1e-5) + 1e-12).all()

@@ -12,6 +12,15 @@ and decompression is x ~= s1 * H(s2 * q) (H is symmetric and orthonormal: its ow
 
 Options, each switchable so its value can be measured (bench/taco_error_table.py):
   hadamard=False     no transform (y = x / s1)
+  hadamard="adaptive"  per group, whichever of transform / no transform quantizes it with the lower
+                     L2 error (both are tried); the choice travels in the sign of the post-scale
+                     (negative: transformed), so it costs no extra bytes. This is our option, not
+                     the paper's: the error table shows that with FP8 *floating-point* payloads the
+                     transform hurts groups that hold outliers (it spreads the outlier's rounding
+                     error over the small values, which per-group scaling alone would keep exact to
+                     FP8's relative precision) and helps little elsewhere. The L2 criterion is
+                     dominated by a group's largest values, so it does not by itself protect the
+                     small ones.
   dual_scale=False   one absmax scale per group after the transform (s1 = 1, not stored)
   fmt                'e4m3' (max 448, 3 mantissa bits) or 'e5m2' (max 57344, 2 mantissa bits)
   transform_input_dtype  the dtype the transform's input is rounded to. FP32 by default; fast
@@ -53,7 +62,7 @@ class QuantConfig:
 
     group_size: int = 128
     fmt: str = "e4m3"
-    hadamard: bool = True
+    hadamard: bool | str = True  # True, False or "adaptive"
     dual_scale: bool = True
     pad: bool = True
     transform_input_dtype: torch.dtype = torch.float32
@@ -62,6 +71,8 @@ class QuantConfig:
         g = self.group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < MIN_GROUP or g > MAX_GROUP or g & (g - 1):
             raise ValueError(f"group_size must be a power of two in {MIN_GROUP}..{MAX_GROUP}, got {g!r}")
+        if not (isinstance(self.hadamard, bool) or self.hadamard == "adaptive"):
+            raise ValueError(f"hadamard must be True, False or 'adaptive', got {self.hadamard!r}")
         if self.fmt not in FP8_DTYPES:
             raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {self.fmt!r}")
         if self.transform_input_dtype not in TRANSFORM_INPUT_DTYPES:
@@ -170,22 +181,41 @@ def compress(x: torch.Tensor, cfg: QuantConfig | None = None) -> Compressed:
     if cfg.dual_scale:
         pre = _rms(g)
         g = g / pre[:, None]
+    if cfg.hadamard == "adaptive":
+        q_t, s_t = _quantize(fwht(_saturating_cast(g, cfg.transform_input_dtype)), cfg)
+        q_p, s_p = _quantize(g, cfg)
+        err_t = (fwht(q_t.float() * s_t[:, None]) - g).square().sum(dim=1)
+        err_p = (q_p.float() * s_p[:, None] - g).square().sum(dim=1)
+        use_t = err_t < err_p
+        q = torch.where(use_t[:, None], q_t.view(torch.uint8), q_p.view(torch.uint8)).view(cfg.fp8_dtype)
+        return Compressed(q, torch.where(use_t, -s_t, s_p), pre, x.shape, x.dtype, cfg)
     if cfg.hadamard:
         g = fwht(_saturating_cast(g, cfg.transform_input_dtype))
+    q, scale = _quantize(g, cfg)
+    return Compressed(q, scale, pre, x.shape, x.dtype, cfg)
+
+
+def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax scale to the FP8 maximum, and the FP8 rows."""
     absmax = g.abs().amax(dim=1)
     scale = absmax / cfg.fp8_max
     tiny = torch.finfo(torch.float32).smallest_normal
     # zero groups: scale 1; groups so small that absmax/FP8_MAX underflows: the smallest normal
     scale = torch.where(absmax > 0, scale.clamp_min(tiny), torch.ones_like(scale))
     q = (g / scale[:, None]).clamp(-cfg.fp8_max, cfg.fp8_max).to(cfg.fp8_dtype)
-    return Compressed(q, scale, pre, x.shape, x.dtype, cfg)
+    return q, scale
 
 
 def decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from)."""
-    g = c.payload.float() * c.scale[:, None]
-    if c.config.hadamard:
-        g = fwht(g)
+    if c.config.hadamard == "adaptive":  # a negative scale marks a transformed group
+        g = c.payload.float() * c.scale.abs()[:, None]
+        transformed = c.scale < 0
+        g[transformed] = fwht(g[transformed])
+    else:
+        g = c.payload.float() * c.scale[:, None]
+        if c.config.hadamard:
+            g = fwht(g)
     if c.pre_scale is not None:
         g = g * c.pre_scale[:, None]
     out = g.reshape(-1)[: c.numel].view(c.shape)
