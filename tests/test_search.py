@@ -284,3 +284,27 @@ def test_compile_ahead_with_nvcc_reports_the_log():
     verdict = ahead.submit(bad).result()[0]
     ahead.close()
     assert good.ok and verdict.failure == "compile_error" and "nvcc failed" in verdict.message
+
+
+def test_wall_time_budget_stops_the_search(tmp_path):
+    ev = SimulatedEvaluator(TEMPLATE, 4, OPTIMUM, delay_s=0.02)
+    start = time.monotonic()
+    with ProgramDB(tmp_path / "t.sqlite") as db:
+        search = Evolution(db, TEMPLATE, ev, SHAPE, 4, Budget(seconds=0.6), SearchConfig(islands=2))
+        search.run()
+        assert 5 <= db.count() <= 40 and db.meta()["elapsed_s"] >= 0.6
+    assert time.monotonic() - start < 5
+
+
+def test_resume_after_a_kill_between_the_seed_and_its_copies(tmp_path):
+    path = tmp_path / "s.sqlite"
+    with ProgramDB(path) as db:
+        Evolution(db, TEMPLATE, SimulatedEvaluator(TEMPLATE, 4, OPTIMUM), SHAPE, 4, Budget(evaluations=1),
+                  SearchConfig(islands=3)).run()
+        db.conn.execute("DELETE FROM migrations")  # as if killed right after the seed was committed
+        db.set_meta(budget={"evaluations": 10, "seconds": None})
+        search = Evolution(db, TEMPLATE, SimulatedEvaluator(TEMPLATE, 4, OPTIMUM), SHAPE, 4, Budget(evaluations=1),
+                           SearchConfig(islands=3))
+        search.run()
+        assert db.count() == 10 and {m["to_island"] for m in db.migrations() if m["generation"] == 0} == {1, 2}
+        assert all(p.parents for p in db.programs()[1:])  # every child knows its parent

@@ -134,3 +134,28 @@ def test_rendered_sample_parses_carries_its_directives_and_compiles():
 def test_seed_rendering_is_the_seed():
     rendered = TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)
     assert load_program(rendered).CONFIG == load_program(TEMPLATE.wl.program_text("seed")).CONFIG
+
+
+def test_templates_render_gin_only_where_the_probe_found_it():
+    from commweave.space import Template
+
+    class Anything(Template):
+        workload = "anything"
+
+        def space(self, world_size, capabilities=None):
+            return Space(capabilities=capabilities or Capabilities())
+
+        def supported(self):
+            return {}
+
+        def seed_directives(self):
+            return DirectiveSet()
+
+        def render_text(self, ds, shape, world_size):
+            return "# EVOLVE-BLOCK-START\ndef setup(ctx, shape): pass\ndef run(ctx, state, inputs, out): pass\n# EVOLVE-BLOCK-END\n"
+
+    gin = DirectiveSet().with_(backend="gin")
+    with pytest.raises(ValueError, match="no RDMA NIC"):
+        Anything().render(gin, None, 2)
+    text = Anything().render(gin, None, 2, Capabilities(True, ""))
+    assert directives_of(text) == gin and parse_program(text)

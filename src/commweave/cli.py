@@ -215,6 +215,7 @@ def evolve(
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.search import Budget, SearchConfig
     from commweave.search.driver import evolve as drive, new_run_path, run_meta, template_for
+    from commweave.space import Capabilities
     from commweave.workloads import get_workload
 
     try:
@@ -239,11 +240,14 @@ def evolve(
     try:
         with WorkerPool(gpus, job_timeout_s=job_timeout) as pool:
             rates = calibrate(pool)
+            probe = pool.run("commweave.runtime.selftest:probe")
+            capabilities = Capabilities.from_probe(probe.values[0]) if probe.ok else \
+                Capabilities(False, f"probe failed: {probe.first_failure()}")
             evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates, job_timeout_s=job_timeout)
             columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress:
                 best, count = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
-                                    workload=wl, progress=progress)
+                                    workload=wl, capabilities=capabilities, progress=progress)
     except PoolStartError as exc:
         _fail(str(exc))
     if best is None:

@@ -153,11 +153,17 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
         return f'<img alt="{alt}" src="data:image/png;base64,{images[name]}">'
 
     budget = meta.get("budget") or {}
+    elapsed = meta.get("elapsed_s")
+    throughput = len(programs) / elapsed * 60 if elapsed else None
+    waited = sum(p.timings.get("compile_wait_s", 0.0) for p in programs)
     run_rows = [["workload", meta.get("workload")], ["shape", meta.get("shape")], ["GPUs", meta.get("gpus")],
                 ["budget", ", ".join(f"{k} {v}" for k, v in budget.items() if v) or "-"],
                 ["evaluated", f"{len(programs)} ({len(programs) - sum(failures.values())} correct)"],
                 ["islands", meta.get("islands")], ["migrations", len(migrations)],
-                ["search time", f"{_fmt(meta.get('elapsed_s'), '.0f')} s"], ["proposer", meta.get("proposer")],
+                ["search time", f"{_fmt(meta.get('elapsed_s'), '.0f')} s"],
+                ["throughput", f"{_fmt(throughput, '.1f')} candidates / minute"],
+                ["evaluator waiting for compiles", f"{_fmt(waited, '.1f')} s in all"],
+                ["proposer", meta.get("proposer")],
                 ["started", meta.get("started_at")], ["database", html.escape(str(db_path))]]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>commweave run {html.escape(db_path.stem)}</title>"
              f"<style>{CSS}</style></head><body>",

@@ -52,7 +52,8 @@ def run_meta(path: Path) -> dict[str, Any]:
 
 
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
-           config: SearchConfig, *, rates: Any = None, workload: Any = None, progress: Any = None):
+           config: SearchConfig, *, rates: Any = None, workload: Any = None, capabilities: Any = None,
+           progress: Any = None):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
     speedup so far. Returns (best record or None, evaluations in the database)."""
     with ProgramDB(db_path) as db:
@@ -67,7 +68,7 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
                             description=f"{search.phase()} · {search.evaluated} evaluated · {what}")
 
         search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates, workload=workload,
-                           on_result=on_result)
+                           capabilities=capabilities, on_result=on_result)
         if progress is not None:
             task = progress.add_task("starting", total=1000)
         best = search.run()

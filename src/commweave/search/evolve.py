@@ -167,14 +167,15 @@ class Evolution:
     def __init__(self, db: ProgramDB, template: Template, evaluator: EvaluatorLike, shape: Any, world_size: int,
                  budget: Budget, config: SearchConfig | None = None, *, proposer: OfflineProposer | None = None,
                  compile_source: Callable[[str], Any] | None = None, rates: Any = None, workload: Any = None,
-                 on_result: Callable[[ProgramRecord, Evolution], None] | None = None):
+                 capabilities: Any = None, on_result: Callable[[ProgramRecord, Evolution], None] | None = None):
         self.db, self.template, self.evaluator = db, template, evaluator
         self.shape, self.world_size, self.budget = shape, world_size, budget
         self.config = config or SearchConfig()
         if workload is None:
             workload = getattr(evaluator, "workload", None) or getattr(template, "wl", None)
         work = workload.cost(shape, world_size)
-        self.proposer = proposer or OfflineProposer(template, world_size, work, rates)
+        self.capabilities = capabilities
+        self.proposer = proposer or OfflineProposer(template, world_size, work, rates, capabilities=capabilities)
         # nvcc for every CUDA source, unless the evaluator brings its own (the simulated one does)
         self.compile_source = compile_source or getattr(evaluator, "compile_source", None) or compile_cubin
         self.on_result = on_result
@@ -273,12 +274,9 @@ class Evolution:
     # -- the loop -------------------------------------------------------------------------------
     def _start_seed(self, compiler: CompileAhead) -> None:
         ds = self.template.seed_directives()
-        text = self.template.render(ds, self.shape, self.world_size)
+        text = self.template.render(ds, self.shape, self.world_size, self.capabilities)
         pending = _Pending(ds, text, 0, 0, None, None, "seed", 0.0, compiler.submit(text), time.monotonic())
-        self._finish(pending)
-        for island in range(1, self.config.islands):
-            self.db.add_migration(self.records[max(self.records)].id, 0, island, 0)
-            self.members[island].append(max(self.records))
+        self._finish(pending)  # the other islands get it as a migrant (run() below)
 
     def _propose(self, island: int, compiler: CompileAhead, in_flight: set[str], in_flight_code: set[str]) -> _Pending | None:
         phase = self.phase()
@@ -290,7 +288,7 @@ class Evolution:
             proposal = self.proposer.propose(parent_ds, phase, self.memory, self.rng, other, exclude=in_flight)
             if proposal is None:
                 return None
-            text = self.template.render(proposal.directives, self.shape, self.world_size)
+            text = self.template.render(proposal.directives, self.shape, self.world_size, self.capabilities)
             digest = body_hash(text)
             if digest in self.codes or digest in in_flight_code:
                 # Another directive set already rendered this exact program: not worth a GPU.
@@ -342,6 +340,11 @@ class Evolution:
         try:
             if not self.records:
                 self._start_seed(compiler)
+            first = min(self.records)
+            for island in range(1, self.config.islands):
+                if not self.members.get(island):  # killed between the seed and its copies
+                    self.db.add_migration(first, self.records[first].island, island, 0)
+                    self.members[island] = [first]
             queue: deque[_Pending] = deque()
             in_flight: set[str] = set()
             in_flight_code: set[str] = set()

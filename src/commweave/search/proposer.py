@@ -81,11 +81,12 @@ class OfflineProposer:
 
     def __init__(self, template: Template, world_size: int, work: Cost, rates: MachineRates | None = None,
                  *, candidates: int = 48, cost_weight: float = 1.0, measured_weight: float = 2.0,
-                 penalty_weight: float = 1.0):
+                 penalty_weight: float = 1.0, capabilities: Any = None):
         self.template = template
         self.world_size = world_size
         self.work = work
         self.rates = rates or MachineRates()
+        self.capabilities = capabilities  # space.Capabilities (GIN) from the workers' probe; None: no GIN
         self.values = template.dimension_values(world_size)
         self.dims = [d for d, v in self.values.items() if len(v) > 1]
         self.candidates = candidates
@@ -119,7 +120,8 @@ class OfflineProposer:
         return self.cost_weight * gain + self.measured_weight * measured - self.penalty_weight * penalty
 
     def _admissible(self, ds: DirectiveSet, memory: Memory, exclude: set[str]) -> bool:
-        return ds.key not in memory.tried and ds.key not in exclude and not self.template.check(ds, self.world_size)
+        return ds.key not in memory.tried and ds.key not in exclude and not self.template.check(ds, self.world_size,
+                                                                                           self.capabilities)
 
     def propose(self, parent: DirectiveSet, phase: str, memory: Memory, rng: random.Random,
                 other: DirectiveSet | None = None, exclude: set[str] = frozenset()) -> Proposal | None:

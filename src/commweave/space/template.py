@@ -83,9 +83,9 @@ class Template(ABC):
         """Validity in this workload's space, then the template's reach; [] when renderable."""
         return ds.validate(self.space(world_size, capabilities)) + self.unsupported(ds)
 
-    def render(self, ds: DirectiveSet, shape: Any, world_size: int) -> str:
+    def render(self, ds: DirectiveSet, shape: Any, world_size: int, capabilities: Any = None) -> str:
         """A candidate program for `ds`; ValueError with every reason when it cannot be rendered."""
-        why = self.check(ds, world_size)
+        why = self.check(ds, world_size, capabilities)
         if why:
             raise ValueError("cannot render this directive set: " + "; ".join(why))
         return directives_header(ds) + self.render_text(ds, shape, world_size)
