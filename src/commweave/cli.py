@@ -212,6 +212,7 @@ def evolve(
 
     from commweave.evaluate.evaluator import Evaluator
     from commweave.evaluate.floor import calibrate
+    from commweave.evaluate.verdict import EvaluationError
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.search import Budget, SearchConfig
     from commweave.search.driver import evolve as drive, new_run_path, run_meta, template_for
@@ -248,8 +249,10 @@ def evolve(
             with Progress(*columns, console=console) as progress:
                 best, count = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
                                     workload=wl, capabilities=capabilities, progress=progress)
-    except PoolStartError as exc:
-        _fail(str(exc))
+    except (PoolStartError, EvaluationError) as exc:
+        _fail(f"{exc} (every evaluated program is in {path}; continue with --resume {path})")
+    except KeyboardInterrupt:
+        _fail(f"interrupted; every evaluated program is in {path}: continue with --resume {path}", code=130)
     if best is None:
         console.print(f"{count} programs evaluated, none correct. run: {path}", highlight=False)
         raise typer.Exit(1)

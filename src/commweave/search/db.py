@@ -6,7 +6,7 @@ go on from where they stopped). Tables:
 
 - `run`: the run's metadata as key -> JSON (workload, shape, gpus, budget, seed, created_at, ...)
 - `programs`: code, its hash, directive set (JSON) and its key, parent ids (JSON), island,
-  generation, status ('ok' | 'failed' | 'rejected'), fitness, failure class and message, timings
+  generation, status ('ok' | 'failed'), fitness, failure class and message, timings
   (JSON: candidate/baseline medians, floor, compile and evaluation seconds), proposer, cost ($),
   created_at
 - `migrations`: a program copied to another island (it is not evaluated again)
@@ -124,8 +124,8 @@ class ProgramDB:
                     failure: str | None = None, message: str = "", timings: dict[str, Any] | None = None,
                     proposer: str = "", cost: float = 0.0, meta: dict[str, Any] | None = None) -> int:
         """Insert one program (and optionally update run metadata) in one committed transaction."""
-        if status not in ("ok", "failed", "rejected"):
-            raise ValueError(f"status must be ok, failed or rejected, not {status!r}")
+        if status not in ("ok", "failed"):
+            raise ValueError(f"status must be ok or failed, not {status!r}")
         with self.conn:
             self.conn.execute("BEGIN")
             cur = self.conn.execute(
@@ -174,9 +174,9 @@ class ProgramDB:
         row = self.conn.execute("SELECT * FROM programs WHERE status = 'ok' ORDER BY fitness DESC, id LIMIT 1").fetchone()
         return self._record(row) if row else None
 
-    def count(self, evaluated_only: bool = True) -> int:
-        where = " WHERE status != 'rejected'" if evaluated_only else ""
-        return int(self.conn.execute(f"SELECT COUNT(*) FROM programs{where}").fetchone()[0])
+    def count(self) -> int:
+        """Evaluated programs (proposals rejected before evaluation are never stored)."""
+        return int(self.conn.execute("SELECT COUNT(*) FROM programs").fetchone()[0])
 
     def has_code(self, text: str) -> bool:
         return self.conn.execute("SELECT 1 FROM programs WHERE code_hash = ? LIMIT 1", (code_hash(text),)).fetchone() is not None
