@@ -21,7 +21,8 @@ Configurations: FP8 E4M3 and E5M2, G in {32, 128, 512}, Hadamard on/off/adaptive
 plain FP8 cast with one per-tensor absmax scale, and a raw cast without any scale.
 Error: ||deq - x||_2 / ||x||_2 with x the BF16 tensor, deq decompressed in FP32; also the same over
 the 99% of elements smallest in magnitude ("bulk99"), since the whole-tensor norm is dominated by
-the largest elements.
+the largest elements; and the 90th percentile over tokens (128 contiguous elements) of each token's
+own relative error ("token_p90"), which shows what happens to tokens much smaller than the rest.
 
 Writes bench/results/taco-error-table-<UTC>.json (with provenance) and bench/results/taco-error-table.md.
 """
@@ -47,6 +48,7 @@ FORMATS = ["e4m3", "e5m2"]
 GROUPS = [32, 128, 512]
 TENSORS = ["gaussian", "student_t", "token_scaled", "ln_act", "ln_grad", "proj_grad"]
 MAX_ELEMENTS = 1 << 20
+TOKEN = 128  # the model's width: one token's hidden vector
 
 
 # -- a tiny GPT on the standard library's source ------------------------------------------------
@@ -174,6 +176,15 @@ def rel_err(deq: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None = No
     return float((deq64 - ref64).norm() / ref64.norm())
 
 
+def token_p90(deq: torch.Tensor, ref: torch.Tensor) -> float:
+    """90th percentile over tokens (128 contiguous elements) of each token's own relative error:
+    what the norm-based errors hide for tokens much smaller than the rest."""
+    r = ref.double().reshape(-1, TOKEN)
+    e = (deq.double().reshape(-1, TOKEN) - r).norm(dim=1)
+    n = r.norm(dim=1)
+    return float((e[n > 0] / n[n > 0]).quantile(0.9))
+
+
 def bulk_mask(ref: torch.Tensor) -> torch.Tensor:
     """The 99% of elements smallest in magnitude: the norm-relative error is dominated by the largest
     elements, this one shows what happens to the rest."""
@@ -208,6 +219,7 @@ def measure(tensors: dict[str, torch.Tensor]) -> list[dict]:
     def errors(row: dict, name: str, deq: torch.Tensor) -> None:
         row[name] = rel_err(deq, refs[name].float())
         row[name + "_bulk99"] = rel_err(deq, refs[name].float(), masks[name])
+        row[name + "_token_p90"] = token_p90(deq, refs[name].float())
     for fmt in FORMATS:
         for per_tensor in (True, False):
             row = {"method": "plain FP8 cast, per-tensor scale" if per_tensor else "raw FP8 cast, no scale",
@@ -271,6 +283,13 @@ def markdown(rows: list[dict], info: dict, tstats: dict, json_name: str) -> str:
         for label, pick in HEADLINE:
             r = next(r for r in rows if r["fmt"] == fmt and pick(r))
             lines.append(f"| {fmt.upper()} | {label} |" + "".join(f" {r[name]:.4f} ({r[name + '_bulk99']:.4f}) |" for name in TENSORS))
+    lines += ["", "Per token (128 contiguous elements, one hidden vector): each token's own relative error, "
+              "90th percentile over tokens, G = 128:", "",
+              "| fmt | method | " + " | ".join(TENSORS) + " |", "|---|---|" + "---|" * len(TENSORS)]
+    for fmt in FORMATS:
+        for label, pick in HEADLINE:
+            r = next(r for r in rows if r["fmt"] == fmt and pick(r))
+            lines.append(f"| {fmt.upper()} | {label} |" + "".join(f" {r[name + '_token_p90']:.4f} |" for name in TENSORS))
     for fmt in FORMATS:
         lines += ["", f"## {fmt.upper()}", "",
                   "| method | G | H | dual | T16 | bytes/elt | " + " | ".join(TENSORS) + " |",
@@ -302,7 +321,7 @@ def main(argv: list[str] | None = None) -> Path:
     tstats = {name: stats(t.bfloat16().float()) for name, t in tensors.items()}
     rows = measure(tensors)
     payload = {"tensors": tstats, "model": info, "rows": rows, "seconds": round(time.time() - began, 1),
-               "metric": "||deq - x|| / ||x||, x = BF16 tensor, deq in FP32; *_bulk99: over the 99% of elements smallest in |x|"}
+               "metric": "||deq - x|| / ||x||, x = BF16 tensor, deq in FP32; *_bulk99: over the 99% of elements smallest in |x|; *_token_p90: 90th percentile over 128-element tokens of each token's relative error"}
     cmd = ["python", "bench/taco_error_table.py", *(argv if argv is not None else sys.argv[1:])]
     path = write_results("taco-error-table", payload, command=cmd)
     md = Path(RESULTS_DIR) / "taco-error-table.md"

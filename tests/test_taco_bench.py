@@ -27,7 +27,9 @@ def test_error_table_pieces_on_a_tiny_run():
     rows = bench.measure(small)
     assert len(rows) == 4 + len(bench.configs())
     for row in rows:
-        assert all(0 <= row[name] < 1.01 and 0 <= row[name + "_bulk99"] < 1.01 for name in small)
+        assert all(0 <= row[name + suffix] < 1.01 for name in small for suffix in ("", "_bulk99"))
+        # per token the error can exceed the token's norm: a transform over G > 128 mixes tokens
+        assert all(0 <= row[name + "_token_p90"] < 100 for name in small)
     stats = {name: bench.stats(t) for name, t in small.items()}
     text = bench.markdown(rows, info, stats, "x.json")
     assert text.count("| TACO |") == len(bench.configs()) and "## E5M2" in text
