@@ -308,3 +308,18 @@ def test_resume_after_a_kill_between_the_seed_and_its_copies(tmp_path):
         search.run()
         assert db.count() == 10 and {m["to_island"] for m in db.migrations() if m["generation"] == 0} == {1, 2}
         assert all(p.parents for p in db.programs()[1:])  # every child knows its parent
+
+
+def test_compile_errors_are_recorded_without_evaluating(tmp_path):
+    from commweave.runtime.compile import CompileError
+
+    def nvcc_refuses(source: str) -> None:
+        raise CompileError("nvcc failed (exit 2)", "candidate.cu(1): error: expected a ';'")
+
+    ev = SimulatedEvaluator(TEMPLATE, 4, OPTIMUM)
+    with ProgramDB(tmp_path / "c.sqlite") as db:
+        best = Evolution(db, TEMPLATE, ev, SHAPE, 4, Budget(evaluations=6), SearchConfig(islands=2),
+                         compile_source=nvcc_refuses).run()
+        programs = db.programs()
+    assert best is None and ev.calls == 0 and len(programs) == 6
+    assert all(p.failure == "compile_error" and "expected a ';'" in p.message for p in programs)

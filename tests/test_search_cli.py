@@ -160,3 +160,11 @@ def test_evolution_with_the_real_evaluator_on_a_cpu_pool(tmp_path):
         assert p.fitness > 0 and t["candidate_us"] > 0 and t["baselines_us"]["host"] > 0 and t["baseline"] == "host"
         assert "compile_s" in t and "evaluate_s" in t
     assert best.fitness == max(p.fitness for p in ok)
+
+
+def test_search_ends_when_the_space_is_exhausted(tmp_path):
+    template = ToyTemplate()
+    ev = SimulatedEvaluator(template, 2, template.seed_directives().with_(knobs=dict(pieces=4, scale=1.0)))
+    best, count = evolve(tmp_path / "small.sqlite", template, ev, template.default_shape(2), 2,
+                         Budget(evaluations=50), SearchConfig(islands=2))
+    assert count == 6 == ev.calls and best.directives["knobs"] == {"pieces": 4, "scale": 1.0}
