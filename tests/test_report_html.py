@@ -19,7 +19,7 @@ def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("rep") / "run.sqlite"
     ev = SimulatedEvaluator(t, 4, t.seed_directives().with_(comm_ctas=16, sync="chunk", chunk_bytes=2 << 20),
                             rules=[lambda ds: "timeout" if ds.comm_ctas == 32 else None,
-                                   lambda ds: "nan" if ds.get("knob:threads") == 1024 else None])
+                                   lambda ds: "nan" if ds.get("knob:threads") == 128 else None])
     with ProgramDB(path) as db:
         Evolution(db, t, ev, t.default_shape(4), 4, Budget(evaluations=40), SearchConfig(islands=2, seed=2,
                                                                                           migrate_every=3)).run()

@@ -179,6 +179,7 @@ class Evolution:
         # nvcc for every CUDA source, unless the evaluator brings its own (the simulated one does)
         self.compile_source = compile_source or getattr(evaluator, "compile_source", None) or compile_cubin
         self.on_result = on_result
+        self._started = time.monotonic()  # reset by run()
         self._init_meta(workload)
         self._load()
 
