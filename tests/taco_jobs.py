@@ -22,11 +22,12 @@ def _inputs(seed: int, world: int, shape: tuple[int, ...]) -> list[torch.Tensor]
     return [torch.randn(shape, generator=gen) * (1 + r) for r in range(world)]
 
 
-def collectives_vs_torch(ctx, fmt: str, group_size: int, rows: int, cols: int, seed: int = 0) -> dict:
+def collectives_vs_torch(ctx, fmt: str, group_size: int, rows: int, cols: int, seed: int = 0,
+                         hadamard: bool | str = True) -> dict:
     """Each compressed collective against its uncompressed torch result: relative errors, and the
     bound each one should meet (one quantization step, two for two-shot)."""
     world, rank = ctx.world_size, ctx.rank
-    cfg = QuantConfig(group_size, fmt)
+    cfg = QuantConfig(group_size, fmt, hadamard=hadamard)
     xs = _inputs(seed + 1, world, (rows, cols))
     x = xs[rank]
     out = {}
@@ -78,13 +79,14 @@ def compressed_all_reduce_auto(ctx, one_shot_max_bytes: int) -> list[float]:
 
 
 def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int = 2, hidden: int = 64,
-                        ffn: int = 128, seed: int = 0) -> dict:
+                        ffn: int = 128, seed: int = 0, grad_compression: str | None = "same") -> dict:
     """A column -> GELU -> row MLP with sequence parallelism against the same MLP on one process:
     output and every gradient (input, weights, biases)."""
     from commweave.taco.tp import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads
 
     world, rank = ctx.world_size, ctx.rank
     cfg = None if compression is None else QuantConfig(64, compression)
+    grad_cfg = cfg if grad_compression == "same" else (None if grad_compression is None else QuantConfig(64, grad_compression))
     gen = torch.Generator().manual_seed(seed)
     x_full = torch.randn(seq, batch, hidden, generator=gen)
     w1 = torch.randn(ffn, hidden, generator=gen) / hidden ** 0.5
@@ -99,8 +101,8 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
     yr = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xr, w1r, b1r)), w2r, b2r)
     (yr * probe).sum().backward()
 
-    col = ColumnParallelLinear(hidden, ffn, bias=True, compression=cfg)
-    row = RowParallelLinear(ffn, hidden, bias=True, compression=cfg)
+    col = ColumnParallelLinear(hidden, ffn, bias=True, compression=cfg, grad_compression=grad_cfg)
+    row = RowParallelLinear(ffn, hidden, bias=True, compression=cfg, grad_compression=grad_cfg)
     col.load_full_weight(w1, b1)
     row.load_full_weight(w2, b2)
     s = seq // world

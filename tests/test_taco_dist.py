@@ -29,9 +29,11 @@ def _values(result):
     return result.values
 
 
-@pytest.mark.parametrize("fmt,group_size", [("e4m3", 32), ("e4m3", 512), ("e5m2", 128)])
-def test_compressed_collectives_match_torch_within_quantization_error(pool, fmt, group_size):
-    for r in _values(pool.run("taco_jobs:collectives_vs_torch", fmt=fmt, group_size=group_size, rows=8, cols=512)):
+@pytest.mark.parametrize("fmt,group_size,hadamard", [("e4m3", 32, True), ("e4m3", 512, True), ("e5m2", 128, True),
+                                                     ("e4m3", 128, "adaptive"), ("e5m2", 64, False)])
+def test_compressed_collectives_match_torch_within_quantization_error(pool, fmt, group_size, hadamard):
+    for r in _values(pool.run("taco_jobs:collectives_vs_torch", fmt=fmt, group_size=group_size, rows=8, cols=512,
+                              hadamard=hadamard)):
         bound = BOUND[fmt]
         assert 0 < r["all_gather"] < bound and 0 < r["reduce_scatter"] < bound
         assert 0 < r["all_reduce_one_shot"] < bound
@@ -90,3 +92,15 @@ def test_unknown_backend_and_bad_shapes_are_refused():
         cc._backend("fused-gpu")
     with pytest.raises(ValueError, match="algorithm"):
         cc.ReferenceBackend().all_reduce(torch.zeros(4), QuantConfig(), "three_shot", None)  # type: ignore[arg-type]
+
+
+def test_tp_compression_is_switchable_per_direction(pool):
+    """Forward compressed, backward plain: the backward collectives add no error of their own, so the
+    gradients' error comes from the compressed forward activations only."""
+    both = _values(pool.run("taco_jobs:tp_mlp_vs_reference", compression="e4m3"))
+    fwd_only = _values(pool.run("taco_jobs:tp_mlp_vs_reference", compression="e4m3", grad_compression=None))
+    bwd_only = _values(pool.run("taco_jobs:tp_mlp_vs_reference", compression=None, grad_compression="e4m3"))
+    for b, f, g in zip(both, fwd_only, bwd_only):
+        assert f["out"] == b["out"] and 0 < f["out"] < 2 * E4M3_BOUND  # same forward (two compressed collectives)
+        assert f["grad_x"] < b["grad_x"]  # its backward is exact
+        assert g["out"] < 1e-6 and 1e-4 < g["grad_x"] < 2 * E4M3_BOUND  # exact forward, compressed backward

@@ -115,7 +115,7 @@ class ColumnParallelLinear(_TPLinear):
             self.bias.copy_(bias[self.rank * local:(self.rank + 1) * local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        total = _GatherFromSequenceParallel.apply(x, self.compression, self.grad_compression, self.group, self.backend)
+        total = gather_from_sequence_parallel(x, self.compression, self.grad_compression, self.group, self.backend)
         return nn.functional.linear(total, self.weight, self.bias)
 
 
@@ -146,8 +146,8 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = nn.functional.linear(x, self.weight)
-        out = _ReduceScatterToSequenceParallel.apply(partial, self.compression, self.grad_compression, self.group,
-                                                     self.backend)
+        out = reduce_scatter_to_sequence_parallel(partial, self.compression, self.grad_compression, self.group,
+                                                  self.backend)
         return out if self.bias is None else out + self.bias
 
 
