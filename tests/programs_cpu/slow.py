@@ -1,4 +1,4 @@
-"""Correct but slow: the host program plus a 5 ms sleep (its fitness against 'host' is far below 1)."""
+"""Correct but slow: the host program plus a 50 ms sleep (its fitness against 'host' is far below 1)."""
 
 import time
 
@@ -11,7 +11,7 @@ def setup(ctx, shape):
 
 
 def run(ctx, state, inputs, out):
-    time.sleep(0.005)
+    time.sleep(0.05)
     parts = [torch.empty_like(inputs["a"]) for _ in range(ctx.world_size)]
     dist.all_gather(parts, inputs["a"], group=ctx.group)
     torch.mm(torch.cat(parts), inputs["b"], out=out)

@@ -11,6 +11,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,8 +62,9 @@ def _run_nvcc(source: str, kind: str, flags: tuple[str, ...], out_suffix: str, e
         log = (proc.stdout + proc.stderr).replace(str(src), "candidate.cu")
         if proc.returncode != 0:
             raise CompileError(f"nvcc failed (exit {proc.returncode})", log)
-        # Atomic publish: concurrent compiles of the same key never expose a half-written file.
-        staged = folder / f".{key}.{os.getpid()}{out_suffix}"
+        # Atomic publish: concurrent compiles of the same key (processes or threads) never expose a
+        # half-written file.
+        staged = folder / f".{key}.{os.getpid()}.{threading.get_ident()}{out_suffix}"
         staged.write_bytes(tmp_out.read_bytes())
         log_path.write_text(log)
         staged.replace(out)

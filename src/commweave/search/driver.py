@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,8 @@ RUNS_DIR = Path("runs")
 
 
 def template_for(workload: Any) -> Template:
-    """The template of a workload: `make_template(workload)` in the `template` module beside its
-    `workload.py`; a clear error for a workload that has none."""
-    package = type(workload).__module__.rpartition(".")[0]
-    if not package:
-        raise LookupError(f"workload {workload.name!r} has no template (its module is not in a package), so it "
-                          "cannot be searched yet")
-    try:
-        module = importlib.import_module(f"{package}.template")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{package}.template":
-            raise
-        raise LookupError(f"workload {workload.name!r} has no template ({package}.template), so it cannot be "
-                          "searched yet") from None
-    return module.make_template(workload)
+    """The workload's design-space template (`Workload.template()`; LookupError if it has none)."""
+    return workload.template()
 
 
 def new_run_path(workload: str, gpus: int, runs_dir: Path = RUNS_DIR) -> Path:

@@ -99,6 +99,11 @@ class Workload(ABC):
     def cost(self, shape: Shape, world_size: int) -> Cost:
         """Per-rank FLOPs and bytes of one call."""
 
+    def template(self):  # -> commweave.space.Template
+        """The design-space template that renders directive sets into this workload's programs
+        (what `commweave evolve` searches). A workload without one cannot be searched yet."""
+        raise LookupError(f"workload {self.name!r} has no template, so it cannot be searched yet")
+
     def tolerance(self) -> float:
         """Largest accepted relative Frobenius error against the reference."""
         return {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}.get(self.dtype, 1e-2)

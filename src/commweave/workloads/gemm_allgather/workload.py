@@ -99,3 +99,8 @@ class GemmAllGather(Workload):
             comm_bytes=(world_size - 1) / world_size * m * k * item,
             memory_bytes=float((m * k + k * n_local + m * n_local) * item),
         )
+
+    def template(self):
+        from commweave.workloads.gemm_allgather.template import make_template
+
+        return make_template(self)
