@@ -43,7 +43,8 @@ def run(ctx, state, inputs, out):
     kv_local, kv_all = state["kv_local"], state["kv_all"]
     kv_local[0].copy_(inputs["k"])
     kv_local[1].copy_(inputs["v"])
-    state["gather"](kv_all, kv_local, group=ctx.group)
+    # the output as W copies of the input's shape stacked on dim 0 (gloo checks that)
+    state["gather"](kv_all.view(-1, *kv_all.shape[2:]), kv_local, group=ctx.group)
     q = inputs["q"]
     if not state["causal"]:
         s = kv_all.shape[0] * kv_all.shape[2]

@@ -1,0 +1,471 @@
+"""CPU checks of the attention-cp workload: sharding and load balance, the LSE merge, the
+reference, shapes, programs (parsing, CUDA compiles, the seed's copy path and piece plan on the
+host) and the host baselines over gloo on CPU workers. `pytest -m gpu` runs every program on GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commweave.evaluate.program import load_program, parse_program
+from commweave.runtime import WorkerPool
+from commweave.runtime.compile import compile_cubin
+from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
+from commweave.workloads.attention_cp.attention import (
+    attention_with_lse, block_kind, chunked_attention, merge_into, merge_partials, shard_positions, shard_ranges,
+    visible_pairs,
+)
+from commweave.workloads.attention_cp.workload import AttentionCP
+
+CPU = torch.device("cpu")
+PROGRAMS = ("allgather", "host", "seed", "torch_cp")
+HOST_PROGRAMS = ("host", "allgather")
+
+
+@pytest.fixture(scope="module")
+def wl() -> AttentionCP:
+    return AttentionCP()
+
+
+def _toolchain_or_skip() -> None:
+    try:
+        nvcc_path()
+        find_nccl()
+    except ToolchainError as exc:
+        pytest.skip(f"cannot compile CUDA here: {exc}")
+
+
+def _sdpa(q, k, v, causal=False):
+    """torch's own attention on [S, H, D] tensors, float32, as an independent check."""
+    o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                       v.float().transpose(0, 1)[None], is_causal=causal,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+def _qkv(sq, sk, hq, hkv, d, seed=0, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(sq, hq, d, generator=gen) * scale, torch.randn(sk, hkv, d, generator=gen),
+            torch.randn(sk, hkv, d, generator=gen))
+
+
+# -- sharding and load balance --------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_shards_cover_sequence_once(world: int, causal: bool) -> None:
+    seq = 8 * 12
+    positions = torch.cat([shard_positions(seq, world, r, causal) for r in range(world)])
+    assert torch.equal(positions.sort().values, torch.arange(seq))
+    for r in range(world):
+        assert len(shard_positions(seq, world, r, causal)) == seq // world
+    if causal:  # zigzag: rank r holds chunks r and 2W-1-r, in that order
+        c = seq // (2 * world)
+        assert shard_ranges(seq, world, 1, True) == [(c, 2 * c), ((2 * world - 2) * c, (2 * world - 1) * c)]
+    else:
+        assert shard_ranges(seq, world, 1, False) == [(seq // world, 2 * seq // world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zigzag_balances_causal_work(world: int) -> None:
+    seq = 2 * world * 37
+    pairs = [visible_pairs(seq, world, r, True) for r in range(world)]
+    assert len(set(pairs)) == 1, pairs
+    assert sum(pairs) == seq * (seq + 1) // 2
+    # brute force: pairs (q, k) with k <= q among this rank's queries
+    pos = shard_positions(seq, world, world - 1, True)
+    assert pairs[0] == int((pos + 1).sum())
+    # contiguous shards would not balance: the last rank would do 2W-1 times the first's work
+    assert [visible_pairs(seq, world, r, False) for r in range(world)] == [seq * seq // world] * world
+
+
+def test_shard_errors() -> None:
+    with pytest.raises(ValueError, match="not a positive multiple of 2 x world size"):
+        shard_ranges(100, 4, 0, True)
+    with pytest.raises(ValueError, match="not a positive multiple of the world size = 3"):
+        shard_ranges(100, 3, 0, False)
+    with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
+        shard_ranges(64, 4, 4, False)
+
+
+def test_block_kind() -> None:
+    assert block_kind((10, 20), (30, 40), False) == "full"
+    assert block_kind((10, 20), (0, 10), True) == "full"
+    assert block_kind((10, 20), (20, 30), True) == "skip"
+    assert block_kind((10, 20), (10, 20), True) == "causal"
+    assert block_kind((10, 20), (5, 15), True) == "partial"
+    # every pair of zigzag chunks is full, diagonal or skipped: no program needs a partial mask
+    world, seq = 4, 64
+    chunks = [rng for r in range(world) for rng in shard_ranges(seq, world, r, True)]
+    assert {block_kind(a, b, True) for a in chunks for b in chunks} == {"full", "causal", "skip"}
+
+
+# -- block attention and the merge ---------------------------------------------------------------
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse(hq: int, hkv: int, causal: bool) -> None:
+    q, k, v = _qkv(37, 37, hq, hkv, 24)
+    out, lse = attention_with_lse(q, k, v, causal=causal)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == (37, hq)
+    assert torch.allclose(out, _sdpa(q, k, v, causal), atol=1e-5)
+    group = hq // hkv
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, dim=1)) / 24 ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(lse, torch.logsumexp(scores, -1).T, atol=1e-5)
+
+
+def test_attention_with_lse_errors() -> None:
+    q, k, v = _qkv(8, 6, 6, 4, 16)
+    with pytest.raises(ValueError, match="6 query heads are not a multiple of 4 KV heads"):
+        attention_with_lse(q, k, v)
+    q, k, v = _qkv(8, 6, 4, 2, 16)
+    with pytest.raises(ValueError, match="causal block must be square"):
+        attention_with_lse(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="must be \\[seq, heads, dim\\]"):
+        attention_with_lse(q[0], k, v)
+    with pytest.raises(ValueError, match="backend must be"):
+        attention_with_lse(q, k, v, backend="cudnn")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merging_blocks_equals_full_attention(seed: int) -> None:
+    """Attention over any split of the keys, merged in any order, is attention over all keys."""
+    q, k, v = _qkv(29, 101, 8, 2, 16, seed=seed, scale=4.0)
+    full, full_lse = attention_with_lse(q, k, v)
+    cuts = sorted(torch.randperm(100, generator=torch.Generator().manual_seed(seed))[:4].add(1).tolist())
+    bounds = list(zip([0, *cuts], [*cuts, 101]))
+    for order in (bounds, bounds[::-1], bounds[1::2] + bounds[::2]):
+        acc = torch.zeros(29, 8, 16)
+        acc_lse = torch.full((29, 8), float("-inf"))
+        for a, b in order:
+            o, lse = attention_with_lse(q, k[a:b], v[a:b])
+            merge_into(acc, acc_lse, o.bfloat16(), lse)  # partials may come in bf16, as from flash
+        assert torch.allclose(acc_lse, full_lse, atol=1e-5)
+        assert (acc - full).norm() / full.norm() < 4e-3
+    # merging is symmetric, and a block of keys left out changes the result by far more than bf16
+    o1, l1 = attention_with_lse(q, k[:50], v[:50])
+    o2, l2 = attention_with_lse(q, k[50:], v[50:])
+    m12, m21 = merge_partials(o1, l1, o2, l2), merge_partials(o2, l2, o1, l1)
+    assert torch.allclose(m12[0], m21[0], atol=1e-6) and torch.allclose(m12[1], m21[1])
+    assert torch.allclose(m12[0], full, atol=1e-5)
+    assert (o1 - full).norm() / full.norm() > 0.1
+
+
+def test_merge_fully_masked_rows() -> None:
+    """Rows that saw no key (lse -inf, as from a skipped or fully masked block) merge without NaN."""
+    out = torch.randn(5, 3, 8)
+    lse = torch.randn(5, 3)
+    empty_out, empty_lse = torch.zeros(5, 3, 8), torch.full((5, 3), float("-inf"))
+    merged, merged_lse = merge_partials(empty_out, empty_lse, out, lse)
+    assert torch.allclose(merged, out) and torch.allclose(merged_lse, lse)
+    both, both_lse = merge_partials(empty_out, empty_lse, empty_out, empty_lse)
+    assert not both.isnan().any() and torch.equal(both, empty_out) and (both_lse == float("-inf")).all()
+    # huge LSEs (peaked scores) do not overflow
+    big, big_lse = merge_partials(out, lse + 1e4, out * 2, lse + 1e4)
+    assert torch.isfinite(big).all() and torch.allclose(big, out * 1.5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot merge"):
+        merge_partials(out, lse, out[:4], lse[:4])
+
+
+def test_chunked_attention_equals_exact() -> None:
+    q, k, v = _qkv(48, 48, 4, 2, 16, scale=3.0)
+    pos = torch.arange(48)
+    for causal in (False, True):
+        exact = _sdpa(q, k, v, causal)
+        for qb, kb in ((48, 48), (7, 9), (5, 48), (48, 1)):
+            assert torch.allclose(chunked_attention(q, k, v, pos, pos, causal, q_block=qb, k_block=kb), exact, atol=1e-5)
+    # positions in any order: a shuffled key set gives the same answer under the causal mask
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    got = chunked_attention(q, k[perm], v[perm], pos, pos[perm], True, q_block=13, k_block=11)
+    assert torch.allclose(got, _sdpa(q, k, v, True), atol=1e-5)
+
+
+# -- shapes ---------------------------------------------------------------------------------------
+def test_workload_attributes(wl: AttentionCP) -> None:
+    assert wl.name == "attention-cp" and wl.world_sizes == (2, 4) and wl.seed == "seed"
+    assert wl.baselines == ("host", "allgather", "torch_cp")
+    assert wl.program_names() == sorted(PROGRAMS)
+    assert wl.dtype == torch.bfloat16 and wl.tolerance() == 1e-2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_shapes(wl: AttentionCP, world: int) -> None:
+    shapes = wl.bench_shapes(world)
+    labels = [s.label for s in shapes]
+    assert len(labels) == len(set(labels)) == 2 * 2 * 2 * 4 + 2 * 2 * 2
+    assert "s32768-q32kv8-d128-full" in labels and "s131072-q32kv32-d64-causal" in labels
+    assert "cuco-s4096-d32-full" in labels and "cuco-s8192-d64-causal" in labels
+    for s in shapes:
+        assert wl.parse_shape(s.label, world) == s
+        assert s["S"] % (2 * world) == 0 and s["HQ"] % s["HKV"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_check_shapes(wl: AttentionCP, world: int) -> None:
+    shapes = wl.check_shapes(world)
+    assert len(shapes) >= 2
+    assert {s["CAUSAL"] for s in shapes} == {0, 1}
+    assert any(s["HQ"] > s["HKV"] for s in shapes) and any(s["HQ"] == s["HKV"] for s in shapes)
+    # zigzag chunks of a size that fits no tile
+    assert any((s["S"] // (2 * world)) % 16 for s in shapes if s["CAUSAL"])
+
+
+def test_parse_shape(wl: AttentionCP) -> None:
+    s = wl.parse_shape(" s32768-q32kv8-d128-causal ", 4)
+    assert (s["S"], s["HQ"], s["HKV"], s["D"], s["CAUSAL"]) == (32768, 32, 8, 128, 1)
+    c = wl.parse_shape("cuco-s4096-d32-full", 2)
+    assert (c.label, c["S"], c["D"], c["CAUSAL"]) == ("cuco-s4096-d32-full", 4096, 32, 0)
+    bad = {
+        "32768x32": "is not 's<S>-q<Hq>kv<Hkv>-d<D>-causal\\|full'",
+        "s32768-q32kv8-d128": "is not",
+        "s0-q32kv8-d128-full": "sequence length must be positive",
+        "s32768-q32kv0-d128-full": "KV heads must be positive",
+        "s32768-q32kv12-d128-full": "32 query heads are not a multiple of 12 KV heads",
+        "s32768-q32kv8-d100-full": "head dim 100 must be a multiple of 8",
+        "s32772-q32kv8-d128-causal": "not a positive multiple of 2 x world size \\(zigzag causal sharding\\) = 8",
+        "s32770-q32kv8-d128-full": "not a positive multiple of the world size = 4",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            wl.parse_shape(text, 4)
+    with pytest.raises(ValueError, match="runs on 2, 4 GPUs, not 8"):
+        wl.parse_shape("s32768-q32kv8-d128-full", 8)
+
+
+def test_cost(wl: AttentionCP) -> None:
+    s = wl.parse_shape("s32768-q32kv8-d128-full", 4)
+    c = wl.cost(s, 4)
+    assert c.flops == 4 * 8192 * 32768 * 32 * 128 == wl.ideal_flops(s, 4, 0)
+    assert c.comm_bytes == 3 * 8192 * 2 * 8 * 128 * 2
+    assert c.memory_bytes == (2 * 8192 * 32 * 128 + 2 * 32768 * 8 * 128) * 2
+    causal = wl.cost(wl.parse_shape("s32768-q32kv8-d128-causal", 4), 4)
+    assert causal.flops == 4 * (32768 * 32769 // 2 // 4) * 32 * 128  # balanced: a quarter of the triangle
+    assert causal.comm_bytes == c.comm_bytes
+
+
+# -- data and reference ---------------------------------------------------------------------------
+def test_inputs_deterministic(wl: AttentionCP) -> None:
+    s = wl.check_shapes(2)[0]
+    x = wl.make_inputs(s, 2, 1, seed=3, device=CPU)
+    assert x["q"].shape == (74, 8, 40) and x["k"].shape == x["v"].shape == (74, 2, 40)
+    assert all(t.dtype == torch.bfloat16 for t in x.values())
+    again = wl.make_inputs(s, 2, 1, seed=3, device=CPU)
+    assert all(torch.equal(x[n], again[n]) for n in x)
+    for other in (wl.make_inputs(s, 2, 0, seed=3, device=CPU), wl.make_inputs(s, 2, 1, seed=4, device=CPU)):
+        assert all(not torch.equal(x[n], other[n]) for n in x)
+    out = wl.make_output(s, 2, 1, CPU)
+    assert out.shape == (74, 8, 40) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_reference(wl: AttentionCP, world: int, index: int) -> None:
+    """The reference is torch's attention over the sequence put back in order, sliced to the rank."""
+    s = wl.check_shapes(world)[index]
+    causal = bool(s["CAUSAL"])
+    shards = [wl.make_inputs(s, world, r, 5, CPU) for r in range(world)]
+    pos = torch.cat([shard_positions(s["S"], world, r, causal) for r in range(world)])
+    order = torch.empty_like(pos)
+    order[pos] = torch.arange(len(pos))  # order[p] = index of global position p in rank-major order
+    q, k, v = (torch.cat([x[n] for x in shards])[order] for n in ("q", "k", "v"))
+    whole = _sdpa(q, k, v, causal)
+    for rank in range(world):
+        got = wl.reference(s, world, rank, 5, CPU)
+        want = whole[shard_positions(s["S"], world, rank, causal)]
+        assert got.dtype == torch.float32 and got.shape == (s["S"] // world, s["HQ"], s["D"])
+        assert torch.allclose(got, want, atol=2e-5)
+        assert 0.1 < got.std().item() < 2.0
+
+
+def test_reference_chunked_for_large(wl: AttentionCP, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above EXACT_LIMIT the reference is tiled; the tiles must give the same answer."""
+    import commweave.workloads.attention_cp.workload as module
+
+    s = wl.parse_shape("s4096-q2kv1-d8-causal", 2)
+    exact = wl.reference(s, 2, 1, 1, CPU)
+    monkeypatch.setattr(module, "EXACT_LIMIT", 0)  # 2048 x 8192 tiles: the 2048 queries in one, keys whole
+    tiled = wl.reference(s, 2, 1, 1, CPU)
+    assert torch.allclose(exact, tiled, atol=1e-5)
+
+
+# -- programs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_program_parses(wl: AttentionCP, name: str) -> None:
+    parsed = parse_program(wl.program_text(name))
+    assert {"setup", "run"} <= parsed.functions
+    assert bool(parsed.cuda_sources) == (name == "seed")
+
+
+def _seed_cuda() -> str:
+    return parse_program(AttentionCP().program_text("seed")).cuda_sources["CUDA_SRC"]
+
+
+def test_seed_cuda_compiles() -> None:
+    _toolchain_or_skip()
+    artifact = compile_cubin(_seed_cuda())
+    assert artifact.path.exists()
+    for kernel in ("cw_kv_push", "cw_kv_wait"):
+        assert f"'{kernel}'" in artifact.log
+    assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
+
+
+def test_every_cuda_source_compiles(wl: AttentionCP) -> None:
+    _toolchain_or_skip()
+    for name in PROGRAMS:
+        for source in parse_program(wl.program_text(name)).cuda_sources.values():
+            assert compile_cubin(source).path.exists()
+
+
+# The push kernel's copy loop compiled for the host: every piece of every rank's K and V must land
+# in slot `me` of every peer's kv_full ([W][2][rows][units]) and nowhere else.
+COPY_CHECK_MAIN = r"""
+#include <cstdio>
+#include <vector>
+
+int main() {
+  int cases = 0, bad = 0;
+  const int world_sizes[] = {2, 4, 8};
+  const long long rows_list[] = {2, 74, 128};
+  const long long units_list[] = {1, 5, 16};
+  const int chunks_list[] = {1, 2, 3, 5};
+  const size_t thread_counts[] = {1, 7, 64};
+  for (int world : world_sizes)
+  for (long long rows : rows_list)
+  for (long long units : units_list)
+  for (int segments = 1; segments <= 2; segments++)
+  for (int chunks : chunks_list)
+  for (size_t nthreads : thread_counts)
+  for (int staggered = 0; staggered < 2; staggered++)
+  for (int me = 0; me < world; me++) {
+    size_t shard = rows * units, slot = 2 * shard, full = slot * world;
+    std::vector<uint4> k(shard), v(shard), peers((size_t)world * full);
+    for (size_t i = 0; i < shard; i++) {
+      k[i] = make_uint4((unsigned)i, (unsigned)me, 1u, 7u);
+      v[i] = make_uint4((unsigned)i, (unsigned)me, 2u, 9u);
+    }
+    for (auto& x : peers) x = make_uint4(0xEE, 0xEE, 0xEE, 0xEE);
+    long long seg_rows = rows / segments;
+    int phases = staggered ? world - 1 : 1;
+    std::vector<int> signals((size_t)world * segments * chunks, 0);
+    for (int phase = 0; phase < phases; phase++) {  // the loops of cw_kv_push, one thread at a time
+      CwDst base;
+      base.count = staggered ? 1 : world - 1;
+      for (int p = 0; p < CW_MAX_PEERS; p++)
+        base.dst[p] = p < base.count ? &peers[(size_t)cw_peer(me, world, staggered, phase, p) * full + me * slot] : nullptr;
+      for (int s = 0; s < segments; s++)
+      for (int c = 0; c < chunks; c++) {
+        long long r0 = s * seg_rows + cw_piece_begin(seg_rows, chunks, c);
+        long long r1 = s * seg_rows + cw_piece_begin(seg_rows, chunks, c + 1);
+        CwDst kd = base, vd = base;
+        for (int p = 0; p < base.count; p++) {
+          kd.dst[p] = base.dst[p] + r0 * units;
+          vd.dst[p] = base.dst[p] + (rows + r0) * units;
+        }
+        for (size_t tid = 0; tid < nthreads; tid++) {
+          cw_copy16(&k[r0 * units], kd, (size_t)((r1 - r0) * units), tid, nthreads);
+          cw_copy16(&v[r0 * units], vd, (size_t)((r1 - r0) * units), tid, nthreads);
+        }
+        for (int t = 0; t < base.count; t++) signals[(size_t)cw_peer(me, world, staggered, phase, t) * segments * chunks + s * chunks + c]++;
+      }
+    }
+    for (int peer = 0; peer < world; peer++) {
+      for (size_t i = 0; i < full; i++) {
+        const uint4& x = peers[(size_t)peer * full + i];
+        bool mine = peer != me && i >= me * slot && i < (me + 1) * slot;
+        size_t rel = i - me * slot;
+        uint4 want = !mine ? make_uint4(0xEE, 0xEE, 0xEE, 0xEE) : rel < shard ? k[rel] : v[rel - shard];
+        if (x.x != want.x || x.y != want.y || x.z != want.z || x.w != want.w) { bad++; break; }
+      }
+      for (int piece = 0; piece < segments * chunks; piece++)  // every peer gets every piece's signal once
+        if (signals[(size_t)peer * segments * chunks + piece] != (peer != me)) { bad++; break; }
+    }
+    cases++;
+  }
+  printf("cases %d wrong %d\n", cases, bad);
+  return bad != 0;
+}
+"""
+
+
+def test_seed_copy_path_on_host(tmp_path: Path) -> None:
+    _toolchain_or_skip()
+    source = tmp_path / "copy_check.cu"
+    source.write_text(_seed_cuda() + COPY_CHECK_MAIN)
+    exe = tmp_path / "copy_check"
+    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
+                            str(source), "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("world,index,chunks", [(2, 0, 1), (4, 0, 3), (4, 1, 2), (2, 2, 5)])
+def test_seed_plan_on_host(wl: AttentionCP, world: int, index: int, chunks: int) -> None:
+    """The seed's host logic without GPUs: its local block plus every remote piece of its plan,
+    through its own `_attend` (float32 torch blocks on CPU), merges to the reference."""
+    seed = load_program(wl.program_text("seed"), "seed")
+    s = wl.check_shapes(world)[index]
+    shards = [wl.make_inputs(s, world, r, 9, CPU) for r in range(world)]
+    for rank in range(world):
+        q_segments, piece_ranges = seed.plan(s, world, rank, chunks)
+        assert [p for r in range(world) for p in piece_ranges[r]] and len(piece_ranges[rank]) == len(q_segments) * chunks
+        state = {"acc": torch.zeros(s["S"] // world, s["HQ"], s["D"]),
+                 "lse": torch.full((s["S"] // world, s["HQ"]), float("-inf")),
+                 "causal": bool(s["CAUSAL"]), "scale": s["D"] ** -0.5}
+        q, k, v = shards[rank]["q"], shards[rank]["k"], shards[rank]["v"]
+        for (a, b), row in q_segments:
+            seed._attend(state, q, k[row:row + b - a], v[row:row + b - a], (a, b), q_segments)
+        covered = []
+        for j, p in itertools.product(range(1, world), range(len(piece_ranges[0]))):
+            src = (rank - j) % world
+            (a, b), row = piece_ranges[src][p]
+            covered.append(torch.arange(a, b))
+            seed._attend(state, q, shards[src]["k"][row:row + b - a], shards[src]["v"][row:row + b - a], (a, b), q_segments)
+        covered.append(shard_positions(s["S"], world, rank, bool(s["CAUSAL"])))
+        assert torch.equal(torch.cat(covered).sort().values, torch.arange(s["S"]))  # every key exactly once
+        ref = wl.reference(s, world, rank, 9, CPU)
+        assert (state["acc"] - ref).norm() / ref.norm() < 1e-4
+
+
+# -- running programs -----------------------------------------------------------------------------
+# Spawned workers inherit sys.path (pytest put tests/ on it), so they import attention_jobs by name.
+@pytest.mark.parametrize("world", [2, 4])
+def test_host_programs_on_cpu(wl: AttentionCP, world: int) -> None:
+    with WorkerPool(world, device="cpu", job_timeout_s=120) as pool:
+        for program in HOST_PROGRAMS:
+            for shape in wl.check_shapes(world):
+                result = pool.run("attention_jobs:run_program_check", program=program, shape_text=shape.label, seed=11)
+                assert result.ok, f"{program} {shape}: {result.first_failure()}"
+                for value in result.values:
+                    assert value["inputs_intact"], f"{program} {shape} modified its inputs"
+                    assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+        if world == 2:
+            result = pool.run("attention_jobs:program_availability")
+            assert result.ok, result.first_failure()
+            reasons = result.values[0]
+            assert reasons["host"] is None and reasons["allgather"] is None
+            assert "CUDA" in reasons["seed"] and "CUDA" in reasons["torch_cp"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_program_on_gpus(wl: AttentionCP, program: str, world: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    shapes = [*wl.check_shapes(world), wl.parse_shape("cuco-s4096-d64-causal", world),
+              wl.parse_shape("s16384-q32kv8-d128-full", world)]
+    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
+        for shape in shapes:
+            result = pool.run("attention_jobs:run_program_check", program=program, shape_text=shape.label, seed=5, calls=3)
+            assert result.ok, f"{program} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"], f"{program} {shape} modified its inputs"
+                assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
