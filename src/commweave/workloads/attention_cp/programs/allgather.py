@@ -3,14 +3,13 @@
 Non-causal: rank order is sequence order, so one `scaled_dot_product_attention` (GQA native)
 over the gathered K, V. Causal (zigzag shards): the gathered chunks are put in sequence order,
 and each of this rank's two query chunks at [a, b) attends to keys [0, b) with a lower-right
-aligned causal mask (`causal_lower_right`, which torch runs as one flash kernel). Memory: the
-whole K and V on every rank (what the streamed programs avoid).
+aligned causal mask (`causal_lower_right` on GPUs, which torch runs as one flash kernel;
+a materialized boolean mask on CPU). Memory: the whole K and V on every rank.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from commweave.workloads.attention_cp.attention import shard_ranges
 
@@ -60,7 +59,12 @@ def run(ctx, state, inputs, out):
     row = 0
     for a, b in state["ranges"]:
         n = b - a
-        mask = causal_lower_right(n, b)
+        if q.is_cuda:  # one flash kernel with a lower-right aligned causal mask
+            from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: seconds
+
+            mask = causal_lower_right(n, b)
+        else:  # the same mask, materialized (CPU workers, small shapes)
+            mask = torch.ones(n, b, dtype=torch.bool, device=q.device).tril(b - n)
         out[row:row + n] = _sdpa(q[row:row + n], kv_seq[0, :b], kv_seq[1, :b], state["scale"], mask)
         row += n
 # EVOLVE-BLOCK-END
