@@ -1,0 +1,54 @@
+"""Jobs for tests/test_kv_transfer.py, run inside WorkerPool workers (imported by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from commweave.evaluate.checks import judge_output, poison_
+from commweave.evaluate.program import load_program
+from commweave.workloads.kv_transfer.workload import KvTransfer
+
+
+def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int = 2) -> dict:
+    """Run a kv-transfer program `calls` times on fresh inputs (a new seed each call, one state):
+    the strict judgement (bit-exact pages, poison kept elsewhere), the harness's judgement, and
+    whether the inputs were left as they were."""
+    workload = KvTransfer()
+    shape = workload.parse_shape(shape_text, ctx.world_size)
+    module = load_program(workload.program_text(program), program)
+    reason = module.available(ctx) if hasattr(module, "available") else None
+    if reason:
+        raise RuntimeError(f"{program} is not available here: {reason}")
+    state = module.setup(ctx, shape)
+    problems: list[str] = []
+    harness: list[str] = []
+    intact = True
+    for call in range(calls):
+        inputs = workload.make_inputs(shape, ctx.world_size, ctx.rank, seed + call, ctx.device)
+        pristine = {k: v.clone() for k, v in inputs.items()}
+        out = poison_(workload.make_output(shape, ctx.world_size, ctx.rank, ctx.device))
+        module.run(ctx, state, dict(inputs), out)
+        ctx.synchronize()
+        strict = workload.judge_strict(out, shape, ctx.world_size, ctx.rank, seed + call)
+        if strict:
+            problems.append(f"call {call}: {strict}")
+        if not shape["F"]:
+            ref = workload.reference(shape, ctx.world_size, ctx.rank, seed + call, ctx.device)
+            verdict = judge_output(out, ref, workload.tolerance())
+            if not verdict.ok:
+                harness.append(f"call {call}: {verdict.message}")
+        intact &= all(torch.equal(inputs[k], pristine[k]) for k in pristine)
+    if hasattr(module, "teardown"):
+        module.teardown(ctx, state)
+    ctx.end_candidate()
+    return {"strict": problems, "harness": harness, "inputs_intact": intact}
+
+
+def program_availability(ctx) -> dict[str, str | None]:
+    """Each kv-transfer program's `available(ctx)` answer on this rank (None: runs here)."""
+    workload = KvTransfer()
+    reasons: dict[str, str | None] = {}
+    for name in workload.program_names():
+        module = load_program(workload.program_text(name), name)
+        reasons[name] = module.available(ctx) if hasattr(module, "available") else None
+    return reasons
