@@ -1,0 +1,416 @@
+"""CPU checks of the moe workload: routing, slot layout, reference, shapes, programs, CUDA sources.
+
+The seed's kernels need GPUs; here they are compiled, and the seed's data flow (slot layout,
+per-source or expert-major grouped GEMMs, weighted combine) is replayed in one process with the
+same library functions the seed calls. `pytest -m gpu` runs every program on the GPUs themselves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commweave.evaluate.program import parse_program, with_config
+from commweave.runtime import WorkerPool
+from commweave.runtime.compile import compile_cubin
+from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
+from commweave.workloads.moe import routing
+from commweave.workloads.moe.workload import MoELayer
+
+CPU = torch.device("cpu")
+PROGRAMS = ("host", "host_padded", "seed")
+
+
+@pytest.fixture(scope="module")
+def wl() -> MoELayer:
+    return MoELayer()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are small: torch's thread pool only adds contention on a loaded CI machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+# -- routing --------------------------------------------------------------------------------------
+def _gate_route_slow(x, gate_w, bias, top_k, n_groups, topk_groups, scaling=2.5):
+    """DeepSeek-V3's routing written token by token, for comparison."""
+    scores = torch.sigmoid(x.double() @ gate_w.double().t())
+    choice = scores + bias.double()
+    n_experts = gate_w.shape[0]
+    per_group = n_experts // n_groups
+    ids, weights = [], []
+    for t in range(x.shape[0]):
+        group_score = [sorted(choice[t, g * per_group:(g + 1) * per_group].tolist())[-2:] for g in range(n_groups)]
+        groups = sorted(range(n_groups), key=lambda g: -sum(group_score[g]))[:topk_groups]
+        allowed = [e for g in groups for e in range(g * per_group, (g + 1) * per_group)]
+        chosen = sorted(allowed, key=lambda e: -choice[t, e].item())[:top_k]
+        w = torch.tensor([scores[t, e].item() for e in chosen], dtype=torch.float64)
+        ids.append(sorted(chosen))
+        weights.append(dict(zip(chosen, (w / w.sum() * scaling).tolist())))
+    return ids, weights
+
+
+@pytest.mark.parametrize("n_experts,top_k,groups,topk_groups", [(32, 8, 8, 4), (64, 8, 8, 4), (256, 8, 8, 4), (24, 3, 4, 2)])
+def test_gate_route_matches_deepseek(n_experts: int, top_k: int, groups: int, topk_groups: int) -> None:
+    g = _gen(n_experts)
+    x = torch.randn(40, 48, generator=g)
+    gate_w = torch.randn(n_experts, 48, generator=g) / 7
+    bias = 0.05 * torch.randn(n_experts, generator=g)
+    idx, w = routing.gate_route(x, gate_w, bias, top_k, groups, topk_groups)
+    assert idx.shape == w.shape == (40, top_k) and idx.dtype == torch.int64 and w.dtype == torch.float32
+    want_ids, want_w = _gate_route_slow(x, gate_w, bias, top_k, groups, topk_groups)
+    per_group = n_experts // groups
+    for t in range(40):
+        assert sorted(idx[t].tolist()) == want_ids[t]
+        for k in range(top_k):
+            assert w[t, k].item() == pytest.approx(want_w[t][idx[t, k].item()], rel=1e-5)
+        assert len({e // per_group for e in idx[t].tolist()}) <= topk_groups  # group limit
+    assert torch.allclose(w.sum(1), torch.full((40,), 2.5))
+
+
+def test_gate_route_bias_only_steers_choice() -> None:
+    g = _gen(5)
+    x, gate_w = torch.randn(16, 32, generator=g), torch.randn(32, 32, generator=g) / 6
+    bias = torch.zeros(32)
+    bias[3] = 10.0  # expert 3 is always chosen, but weighted by its sigmoid score, not the bias
+    idx, w = routing.gate_route(x, gate_w, bias, 8, 8, 4)
+    assert (idx == 3).any(1).all()
+    scores = torch.sigmoid(x @ gate_w.t())
+    picked = scores.gather(1, idx)
+    assert torch.allclose(w, picked / picked.sum(1, keepdim=True) * 2.5, rtol=1e-5)
+
+
+def test_routing_params_errors() -> None:
+    cases = {
+        (30, 8, 8, 4): "cannot be split into 8 equal groups",
+        (32, 8, 8, 9): "top groups \\(9\\) exceed",
+        (8, 2, 8, 4): "two best experts",
+        (32, 20, 8, 4): "top-20 cannot be chosen from 4 groups of 4",
+        (32, 0, 8, 4): "must be positive",
+    }
+    for args, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            routing.check_routing_params(*args)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 5])
+def test_skewed_route_ratio(world: int, ratio: int) -> None:
+    tokens, n_experts, top_k = 300, 64, 8
+    idx, w = routing.skewed_route(tokens, n_experts, top_k, world, ratio, _gen(ratio), CPU)
+    assert idx.shape == (tokens, top_k) and w.shape == (tokens, top_k)
+    assert all(len(set(row)) == top_k for row in idx.tolist())  # distinct experts per token
+    assert int(idx.min()) >= 0 and int(idx.max()) < n_experts
+    loads = routing.rank_loads(idx, n_experts, world).tolist()
+    assert sum(loads) == tokens * top_k
+    shares = routing.rank_shares(world, ratio)
+    for load, share in zip(loads, shares):
+        assert abs(load - tokens * top_k * share) <= 1
+    assert loads[0] / (sum(loads[1:]) / (world - 1)) == pytest.approx(ratio, rel=0.01)
+    assert torch.allclose(w.sum(1), torch.full((tokens,), 2.5))
+    # experts within a rank are used roughly evenly (uniform draws)
+    per_expert = torch.bincount(idx.reshape(-1), minlength=n_experts).view(world, -1).float()
+    assert (per_expert.std(1) / per_expert.mean(1)).max() < 0.5
+
+
+def test_skewed_route_errors() -> None:
+    with pytest.raises(ValueError, match="at least top-k \\(8\\) experts per rank, not 4"):
+        routing.skewed_route(10, 16, 8, 4, 2, _gen(0), CPU)
+    with pytest.raises(ValueError, match="ratio must be >= 1"):
+        routing.rank_shares(4, 0)
+    with pytest.raises(ValueError, match="split evenly over 4 ranks"):
+        routing.skewed_route(10, 30, 2, 4, 2, _gen(0), CPU)
+
+
+# -- slot layout (the seed's dispatch) -------------------------------------------------------------
+def _routings(world: int):
+    wl = MoELayer()
+    for shape in wl.check_shapes(world):
+        for rank in range(world):
+            _, idx, _ = wl.tokens_and_routing(shape, world, rank, 3, CPU)
+            yield shape, idx
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_slot_layout(world: int) -> None:
+    for shape, idx in _routings(world):
+        n_experts, top_k, per_rank = shape["E"], shape["K"], shape["E"] // world
+        lay = routing.slot_layout(idx, n_experts, world)
+        flat = idx.reshape(-1)
+        assert torch.equal(lay["counts"], torch.bincount(flat, minlength=n_experts))
+        assert torch.equal(lay["dest"], flat // per_rank)
+        assert int(lay["dest_start"][-1]) == flat.numel()
+        rows = routing.pool_rows_per_source(shape["T"], top_k)
+        for d in range(world):
+            mine = (lay["dest"] == d).nonzero().flatten()
+            slots = lay["slot"][mine]
+            # the pairs for d fill slots 0..n-1 exactly once: nothing dropped, nothing overwritten
+            assert sorted(slots.tolist()) == list(range(mine.numel()))
+            assert mine.numel() == int(lay["dest_start"][d + 1] - lay["dest_start"][d]) <= rows
+            # slots are grouped by local expert, ascending, in the sizes the destination is told
+            by_slot = flat[mine][slots.argsort()] - d * per_rank
+            assert torch.equal(by_slot, torch.repeat_interleave(torch.arange(per_rank), lay["counts"][d * per_rank:(d + 1) * per_rank]))
+            # the kernel's view: sorted position i of destination d lands in slot i - dest_start[d]
+            for i in range(int(lay["dest_start"][d]), int(lay["dest_start"][d + 1])):
+                pair = int(lay["order"][i])
+                assert int(lay["slot"][pair]) == i - int(lay["dest_start"][d])
+            ends = routing.expert_offsets(lay["counts"][d * per_rank:(d + 1) * per_rank])
+            assert ends.dtype == torch.int32 and int(ends[-1]) == mine.numel()
+
+
+def test_pool_never_overflows() -> None:
+    # even a routing that sends every pair of every token to one rank fits its region
+    idx = torch.arange(8).repeat(50, 1)  # 50 tokens, all to experts 0..7 on rank 0
+    lay = routing.slot_layout(idx, 32, 4)
+    assert int(lay["slot"].max()) == 399 < routing.pool_rows_per_source(50, 8)
+
+
+def test_expert_major_permutation() -> None:
+    g = _gen(9)
+    for world, per_rank, rows in ((2, 3, 7), (4, 8, 40), (4, 1, 5)):
+        counts = torch.zeros(world, per_rank, dtype=torch.int64)
+        for s in range(world):  # random counts with at most `rows` rows per source
+            n = int(torch.randint(0, rows + 1, (1,), generator=g))
+            picks = torch.randint(0, per_rank, (n,), generator=g)
+            counts[s] = torch.bincount(picks, minlength=per_rank)
+        perm, ends = routing.expert_major_permutation(counts, rows)
+        assert sorted(perm.tolist()) == list(range(world * rows))
+        want = []
+        for e in range(per_rank):
+            for s in range(world):
+                start = s * rows + int(counts[s, :e].sum())
+                want += list(range(start, start + int(counts[s, e])))
+        assert perm[:len(want)].tolist() == want
+        assert ends.tolist() == counts.sum(0).cumsum(0).tolist()
+
+
+# -- the seed's data flow, replayed on CPU ---------------------------------------------------------
+def _simulate_seed(wl: MoELayer, shape, world: int, seed: int, overlap: bool) -> list[torch.Tensor]:
+    """Dispatch, experts and combine as the seed's kernels do them, with plain tensors per rank."""
+    inputs = [wl.make_inputs(shape, world, r, seed, CPU) for r in range(world)]
+    tokens, hidden, top_k, per_rank = shape["T"], shape["H"], shape["K"], shape["E"] // world
+    rows = routing.pool_rows_per_source(tokens, top_k)
+    pool = [torch.full((world * rows, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+    pair = [torch.full((world * rows,), -1, dtype=torch.int32) for _ in range(world)]
+    wt = [torch.zeros(world * rows) for _ in range(world)]
+    cnt = [torch.zeros(world, per_rank, dtype=torch.int64) for _ in range(world)]
+    back = [torch.full((tokens * top_k, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+    for me in range(world):  # moe_dispatch
+        x, idx, w = inputs[me]["x"], inputs[me]["topk_idx"], inputs[me]["topk_weights"]
+        lay = routing.slot_layout(idx, shape["E"], world)
+        for d in range(world):
+            begin, end = int(lay["dest_start"][d]), int(lay["dest_start"][d + 1])
+            pairs = lay["order"][begin:end]  # sorted position i lands in slot i - begin
+            slots = me * rows + torch.arange(end - begin)
+            pool[d][slots] = x[pairs // top_k]
+            pair[d][slots] = pairs.to(torch.int32)
+            wt[d][slots] = w.reshape(-1)[pairs]
+            cnt[d][me] = lay["counts"][d * per_rank:(d + 1) * per_rank]
+    for d in range(world):  # grouped GEMMs, then moe_combine
+        w13, w2 = inputs[d]["w13"], inputs[d]["w2"]
+
+        def swiglu(a, ends):
+            gate_up = torch._grouped_mm(a, w13.transpose(-2, -1), offs=ends)
+            h = F.silu(gate_up[:, :shape["I"]]) * gate_up[:, shape["I"]:]
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
+
+        if overlap:
+            y = torch.cat([swiglu(pool[d][s * rows:(s + 1) * rows], routing.expert_offsets(cnt[d][s])) for s in range(world)])
+        else:
+            perm, ends = routing.expert_major_permutation(cnt[d], rows)
+            y = torch.empty(world * rows, hidden, dtype=torch.bfloat16)
+            y[perm] = swiglu(pool[d].index_select(0, perm), ends)
+        for s in range(world):
+            valid = s * rows + torch.arange(int(cnt[d][s].sum()))
+            back[s][pair[d][valid].long()] = (y[valid].float() * wt[d][valid].unsqueeze(1)).to(torch.bfloat16)
+    return [torch.sum(back[r].view(tokens, top_k, hidden), dim=1, dtype=torch.float32).to(torch.bfloat16) for r in range(world)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_seed_dataflow_on_cpu(wl: MoELayer, world: int, which: int, overlap: bool) -> None:
+    shape = wl.check_shapes(world)[which]
+    outs = _simulate_seed(wl, shape, world, seed=4, overlap=overlap)
+    for rank, out in enumerate(outs):
+        ref = wl.reference(shape, world, rank, 4, CPU)
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < wl.tolerance(), f"{shape} W={world} rank {rank}: {err:.3g}"
+
+
+# -- shapes ---------------------------------------------------------------------------------------
+def test_workload_basics(wl: MoELayer) -> None:
+    assert wl.name == "moe" and wl.baselines == ("host", "host_padded") and wl.seed == "seed"
+    assert wl.world_sizes == (2, 4) and wl.dtype == torch.bfloat16
+    assert wl.program_names() == sorted(PROGRAMS)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_shapes(wl: MoELayer, world: int) -> None:
+    shapes = wl.bench_shapes(world)
+    assert [s.label for s in shapes] == ["dsv3-T128", "dsv3-T4096"] + [f"dsv3-T4096-skew{r}" for r in (2, 3, 4, 5)]
+    s = shapes[1]
+    assert (s["T"], s["H"], s["I"], s["E"], s["K"], s["G"], s["TG"], s["skew"]) == (4096, 7168, 2048, 256, 8, 8, 4, 0)
+    for shape in shapes:
+        assert wl.parse_shape(shape.label, world) == shape
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_check_shapes(wl: MoELayer, world: int) -> None:
+    shapes = wl.check_shapes(world)
+    assert len(shapes) >= 2
+    assert any(all(d % 16 for d in (s["T"], s["H"], s["I"])) for s in shapes), "one shape must fit no 16-tile"
+    assert any(s["skew"] for s in shapes) and any(not s["skew"] for s in shapes)
+    for s in shapes:
+        assert (s["K"], s["G"], s["TG"]) == (8, 8, 4)  # DeepSeek-V3's routing structure, scaled H, I, E
+        assert wl.parse_shape(s.label, world) == s
+
+
+def test_parse_shape_errors(wl: MoELayer) -> None:
+    s = wl.parse_shape(" T64-H128-I48-E32-k8-g8-tg4-skew2 ", 4)
+    assert (s["T"], s["H"], s["I"], s["E"], s["skew"]) == (64, 128, 48, 32, 2)
+    bad = {
+        "dsv3": "is not 'dsv3-T<tokens>",
+        "T64-H128-I48": "is not 'dsv3-T<tokens>",
+        "dsv3-T0": "T must be positive",
+        "T64-H130-I48-E32-k8-g8-tg4": "H=130 and I=48 must be multiples of 8",
+        "T64-H128-I48-E30-k8-g8-tg4": "E=30 experts cannot be split evenly over 4 ranks",
+        "T64-H128-I48-E32-k8-g8-tg9": "exceed the number of groups",
+        "T64-H128-I48-E32-k8-g8-tg4-skew1": "skew must be 0",
+        "T64-H128-I48-E16-k8-g8-tg4-skew2": "at least top-k \\(8\\) experts per rank",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            wl.parse_shape(text, 4)
+    with pytest.raises(ValueError, match="runs on 2, 4 GPUs, not 8"):
+        wl.parse_shape("dsv3-T128", 8)
+
+
+def test_cost(wl: MoELayer) -> None:
+    s = wl.parse_shape("dsv3-T4096", 4)
+    c = wl.cost(s, 4)
+    pairs = 4096 * 8  # balanced: each rank's experts process T*K rows
+    assert c.flops == pytest.approx(2 * pairs * 3 * 7168 * 2048)
+    assert c.comm_bytes == pytest.approx(2 * pairs * 3 / 4 * 7168 * 2)
+    skewed = wl.cost(wl.parse_shape("dsv3-T4096-skew5", 4), 4)
+    assert skewed.flops == pytest.approx(c.flops * 4 * 5 / 8)  # the hot rank gets 5/8 of all pairs
+    decode = wl.cost(wl.parse_shape("dsv3-T128", 4), 4)
+    assert decode.memory_bytes >= 64 * 3 * 7168 * 2048 * 2  # decode reads every local expert's weights
+
+
+# -- data and reference ---------------------------------------------------------------------------
+def test_inputs(wl: MoELayer) -> None:
+    s = wl.check_shapes(4)[0]
+    x = wl.make_inputs(s, 4, 2, seed=3, device=CPU)
+    assert x["x"].shape == (67, 136) and x["x"].dtype == torch.bfloat16
+    assert x["topk_idx"].shape == (67, 8) and x["topk_idx"].dtype == torch.int64
+    assert x["topk_weights"].dtype == torch.float32
+    assert x["w13"].shape == (8, 80, 136) and x["w2"].shape == (8, 136, 40)
+    again = wl.make_inputs(s, 4, 2, seed=3, device=CPU)
+    assert all(torch.equal(x[k], again[k]) for k in x)
+    other = wl.make_inputs(s, 4, 2, seed=4, device=CPU)
+    assert not any(torch.equal(x[k], other[k]) for k in ("x", "w13", "w2"))
+    # any rank can regenerate any expert: rank 2 holds experts 16..23
+    w13, w2 = wl.expert_weights(s, 3, 18, CPU)
+    assert torch.equal(x["w13"][2], w13) and torch.equal(x["w2"][2], w2)
+    assert not torch.equal(x["x"], wl.make_inputs(s, 4, 1, seed=3, device=CPU)["x"])
+    assert wl.make_output(s, 4, 2, CPU).shape == (67, 136)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reference(wl: MoELayer, world: int) -> None:
+    for s in wl.check_shapes(world)[::2]:
+        rank = world - 1
+        x, idx, w = wl.tokens_and_routing(s, world, rank, 7, CPU)
+        experts = [[t.double() for t in wl.expert_weights(s, 7, e, CPU)] for e in range(s["E"])]
+        want = torch.zeros(s["T"], s["H"], dtype=torch.float64)
+        for t in range(s["T"]):
+            for k in range(s["K"]):
+                w13, w2 = experts[int(idx[t, k])]
+                gu = w13 @ x[t].double()
+                want[t] += w[t, k].double() * (w2 @ (F.silu(gu[:s["I"]]) * gu[s["I"]:]))
+        got = wl.reference(s, world, rank, 7, CPU)
+        assert got.dtype == torch.float32 and got.shape == (s["T"], s["H"])
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+        assert 0.2 < got.std().item() < 2.0
+
+
+# -- programs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_program_parses(wl: MoELayer, name: str) -> None:
+    parsed = parse_program(wl.program_text(name))
+    assert {"setup", "run"} <= parsed.functions
+    assert bool(parsed.cuda_sources) == (name == "seed")
+
+
+def test_seed_config_knobs(wl: MoELayer) -> None:
+    text = with_config(wl.program_text("seed"), comm_ctas=32, overlap=False, wait="stream")
+    assert "comm_ctas=32" in text and "overlap=False" in text and "wait='stream'" in text
+    parse_program(text)
+
+
+def test_seed_cuda_compiles(wl: MoELayer) -> None:
+    try:
+        nvcc_path()
+        find_nccl()
+    except ToolchainError as exc:
+        pytest.skip(f"cannot compile CUDA here: {exc}")
+    artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
+    assert artifact.path.exists()
+    for kernel in ("moe_dispatch", "moe_combine", "moe_wait"):
+        assert f"'{kernel}'" in artifact.log
+    assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
+
+
+# -- running programs -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_pool():
+    with WorkerPool(2, device="cpu", job_timeout_s=120) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("program", ["host", "host_padded"])
+def test_host_programs_on_cpu(wl: MoELayer, cpu_pool: WorkerPool, program: str) -> None:
+    for shape in wl.check_shapes(2):
+        result = cpu_pool.run("moe_jobs:run_program_check", program=program, shape_text=shape.label, seed=11)
+        assert result.ok, result.first_failure()
+        for value in result.values:
+            assert value["inputs_intact"]
+            assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+
+
+def test_seed_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
+    result = cpu_pool.run("moe_jobs:program_availability")
+    assert result.ok, result.first_failure()
+    reasons = result.values[0]
+    assert reasons["host"] is None and reasons["host_padded"] is None
+    assert "CUDA" in reasons["seed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_program_on_gpus(wl: MoELayer, program: str, world: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]
+    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
+        for shape in shapes:
+            result = pool.run("moe_jobs:run_program_check", program=program, shape_text=shape.label, seed=5, calls=3)
+            assert result.ok, f"{program} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"], f"{program} {shape} modified its inputs"
+                assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
