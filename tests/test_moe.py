@@ -414,3 +414,23 @@ def test_program_on_gpus(wl: MoELayer, program: str, world: int) -> None:
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"
                 assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+
+
+def test_cascade_on_cpu(wl: MoELayer, cpu_pool: WorkerPool) -> None:
+    """The evaluator's own checks (poisoned outputs, fresh inputs, untouched inputs) pass both host
+    baselines, times them side by side, and fails a program that drops a token's expert."""
+    from commweave.evaluate import Evaluator
+
+    ev = Evaluator(cpu_pool, wl, seeds=2, warmup=1, iters=3)
+    for name in ("host", "host_padded"):
+        verdict = ev.check(wl.program_text(name))
+        assert verdict.ok, f"{name}: {verdict.message} {verdict.detail}"
+    bench = ev.benchmark({name: wl.program_text(name) for name in ("host", "host_padded")}, wl.check_shapes(2)[0])
+    for name in ("host", "host_padded"):
+        timing = bench.programs[name]
+        assert timing.verdict.ok, timing.verdict.message
+    # a program that forgets every token's last expert is caught as a wrong result
+    dropping = wl.program_text("host").replace("def run(ctx, state, inputs, out):",
+                                               "def run(ctx, state, inputs, out):\n    inputs = dict(inputs, topk_weights=inputs['topk_weights'] * torch.tensor([1.0] * (inputs['topk_weights'].shape[1] - 1) + [0.0]))")
+    verdict = ev.check(dropping)
+    assert not verdict.ok and verdict.failure.value == "wrong_result", verdict
