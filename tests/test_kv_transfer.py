@@ -1,0 +1,249 @@
+"""CPU checks of the kv-transfer workload: shapes, block tables, reference, strict judge, cost,
+programs, CUDA sources, and the host baselines run over gloo on CPU workers.
+
+The seed's kernels need GPUs with NCCL's device API; here they are only compiled.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from commweave.evaluate.checks import poison_
+from commweave.evaluate.program import parse_program, with_config
+from commweave.runtime import WorkerPool
+from commweave.runtime.compile import compile_cubin
+from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
+from commweave.workloads.kv_transfer.workload import KvTransfer, pair_of
+
+CPU = torch.device("cpu")
+PROGRAMS = ("host", "host_layerwise", "host_per_block", "seed")
+HOST_PROGRAMS = ("host", "host_per_block", "host_layerwise")
+
+
+@pytest.fixture(scope="module")
+def wl() -> KvTransfer:
+    return KvTransfer()
+
+
+def _toolchain_or_skip() -> None:
+    try:
+        nvcc_path()
+        find_nccl()
+    except ToolchainError as exc:
+        pytest.skip(f"cannot compile CUDA here: {exc}")
+
+
+# -- shapes ---------------------------------------------------------------------------------------
+def test_identity(wl: KvTransfer) -> None:
+    assert wl.name == "kv-transfer" and wl.world_sizes == (2, 4) and wl.seed == "seed"
+    assert wl.baselines == ("host", "host_per_block", "host_layerwise")
+    assert wl.program_names() == sorted(PROGRAMS)
+    assert wl.tolerance() == 0.0
+
+
+def test_roles() -> None:
+    assert [pair_of(r) for r in range(4)] == [(0, 1, True), (0, 1, False), (2, 3, True), (2, 3, False)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_and_check_shapes(wl: KvTransfer, world: int) -> None:
+    bench = wl.bench_shapes(world)
+    assert [s.label for s in bench] == ["S2048", "S4096", "S8192", "S16384", "S32768", "S2048-P13", "S8192-P13"]
+    big = bench[4]
+    assert (big["L"], big["KV"], big["D"], big["B"], big["blocks"], big["NB"]) == (32, 8, 128, 16, 2048, 2048)
+    checks = wl.check_shapes(world)
+    assert len(checks) >= 2 and any(s["S"] % 16 for s in checks), "one check shape needs a partial last block"
+    for s in bench + checks:
+        assert wl.parse_shape(s.label, world) == s
+
+
+def test_parse_shape(wl: KvTransfer) -> None:
+    s = wl.parse_shape(" s4096-kv4-P2-F5-L3 ", 4)
+    assert s.label == "S4096-KV4-L3-P2-F5"
+    assert (s["S"], s["KV"], s["P"], s["F"], s["L"], s["blocks"], s["NB"]) == (4096, 4, 2, 5, 3, 256, 261)
+    assert wl.parse_shape("S17", 2)["blocks"] == 2
+    bad = {
+        "4096": "is not 'S<tokens>",
+        "S4096x8": "is not 'S<tokens>",
+        "S4096-Q3": "is not 'S<tokens>",
+        "S0": "S \\(tokens\\) must be >= 1",
+        "S-5": "S \\(tokens\\) must be >= 1",
+        "S64-KV0": "KV \\(KV heads\\) must be >= 1",
+        "S64-P-1": "P \\(prefill passes\\) must be >= 0",
+        "S64-F-2": "F \\(free blocks\\) must be >= 0",
+        "S64-L0": "L \\(layers\\) must be >= 1",
+        "S64-KV2-KV4": "gives KV twice",
+        "S99999999": "more than",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            wl.parse_shape(text, 2)
+    with pytest.raises(ValueError, match="runs on 2, 4 GPUs, not 3"):
+        wl.parse_shape("S64", 3)
+
+
+def test_cost(wl: KvTransfer) -> None:
+    s = wl.parse_shape("S32768", 2)
+    c = wl.cost(s, 2)
+    assert c.comm_bytes == 32 * 2 * 2048 * 16 * 8 * 128 * 2 == 4 << 30  # 4 GiB: the whole sequence
+    assert c.flops == 0 and c.memory_bytes == 2 * c.comm_bytes
+    p = wl.cost(wl.parse_shape("S2048-P13", 2), 2)
+    assert p.flops == 2.0 * 13 * 32 * 2048 * 4096 * 4096
+    # a partial block moves a whole page
+    assert wl.cost(wl.parse_shape("S17-L1-KV1", 2), 2).comm_bytes == 2 * 2 * 16 * 128 * 2
+
+
+# -- block tables ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["S37-KV2", "S300-F40", "S2048-F7"])
+def test_block_tables(wl: KvTransfer, text: str) -> None:
+    s = wl.parse_shape(text, 4)
+    tables = {}
+    for rank in range(4):
+        src, dst = wl.block_tables(s, 4, rank, seed=9)
+        assert src.dtype == dst.dtype == torch.int64 and src.shape == dst.shape == (s["blocks"],)
+        for t in (src, dst):
+            assert int(t.min()) >= 0 and int(t.max()) < s["NB"]
+            assert t.unique().numel() == t.numel(), "blocks of a table must be distinct"
+        tables[rank] = (src, dst)
+    for a, b in ((0, 1), (2, 3)):  # both ranks of a pair hold the same tables
+        assert all(torch.equal(x, y) for x, y in zip(tables[a], tables[b]))
+    # random: pairs, seeds and the two sides differ, and the tables are not the identity
+    if s["blocks"] > 8:
+        assert not torch.equal(tables[0][0], tables[2][0])
+        assert not torch.equal(tables[0][0], tables[0][1])
+        assert not torch.equal(tables[0][0], wl.block_tables(s, 4, 0, seed=10)[0])
+        assert not torch.equal(tables[0][0].sort().values, tables[0][0])
+    if not s["F"]:
+        assert torch.equal(tables[0][0].sort().values, torch.arange(s["NB"]))
+
+
+def test_inputs(wl: KvTransfer) -> None:
+    s = wl.parse_shape("S37-KV2-L3-P1", 2)
+    src = wl.make_inputs(s, 2, 0, seed=4, device=CPU)
+    dst = wl.make_inputs(s, 2, 1, seed=4, device=CPU)
+    assert set(src) == {"kv", "src_blocks", "dst_blocks", "x", "w"} and set(dst) == {"src_blocks", "dst_blocks"}
+    assert src["kv"].shape == (3, 2, 37, 2, 128) and src["kv"].dtype == torch.bfloat16
+    assert src["x"].shape == (37, 4096) and src["w"].shape == (4096, 4096)
+    again = wl.make_inputs(s, 2, 0, seed=4, device=CPU)
+    assert all(torch.equal(src[k], again[k]) for k in src)
+    assert not torch.equal(src["kv"], wl.make_inputs(s, 2, 0, seed=5, device=CPU)["kv"])
+    assert not torch.equal(src["kv"], wl.make_inputs(s, 4, 2, seed=4, device=CPU)["kv"])  # the other pair
+    out = wl.make_output(s, 2, 1, CPU)
+    assert out.shape == (3, 2, 3, 16, 2, 128) and out.dtype == torch.bfloat16
+
+
+# -- reference ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["S37-KV2-L2", "S48-KV1-L2-F5"])
+def test_reference(wl: KvTransfer, text: str) -> None:
+    s = wl.parse_shape(text, 4)
+    for src_rank in (0, 2):
+        kv = wl.make_inputs(s, 4, src_rank, 3, CPU)["kv"]
+        src_blocks, dst_blocks = wl.block_tables(s, 4, src_rank, 3)
+        src_ref = wl.reference(s, 4, src_rank, 3, CPU)
+        dst_ref = wl.reference(s, 4, src_rank + 1, 3, CPU)
+        assert src_ref.dtype == torch.float32 and src_ref.shape == wl.cache_shape(s)
+        for layer in range(s["L"]):
+            for half in range(2):
+                for i in range(s["blocks"]):
+                    tokens = kv[layer, half, 16 * i:16 * i + 16].float()
+                    page = src_ref[layer, half, src_blocks[i]]
+                    assert torch.equal(page[:tokens.shape[0]], tokens)
+                    assert not page[tokens.shape[0]:].any()  # zeros past S
+                    assert torch.equal(dst_ref[layer, half, dst_blocks[i]], page)
+        free = torch.ones(s["NB"], dtype=torch.bool)
+        free[dst_blocks] = False
+        assert not dst_ref[:, :, free].any()
+        assert torch.equal(wl.untouched(s, 4, src_rank + 1, 3, CPU)[:, :, free].all(dim=(-3, -2, -1)),
+                           torch.ones(s["L"], 2, int(free.sum()), dtype=torch.bool))
+
+
+def test_judge_strict(wl: KvTransfer) -> None:
+    s = wl.parse_shape("S40-KV1-L2-F3", 2)
+    want, written = wl.expected(s, 2, 1, 6, CPU)
+    out = poison_(wl.make_output(s, 2, 1, CPU))
+    out[written] = want[written]
+    assert wl.judge_strict(out, s, 2, 1, 6) is None
+    _, dst = wl.block_tables(s, 2, 1, 6)
+    free = sorted(set(range(s["NB"])) - set(dst.tolist()))
+    stray = out.clone()
+    stray[1, 0, free[0], 3, 0, 7] = 1.0
+    assert "outside the sequence's pages were written" in wl.judge_strict(stray, s, 2, 1, 6)
+    missing = out.clone()
+    poison_(missing[0, 1, int(dst[1])])
+    assert "were not written" in wl.judge_strict(missing, s, 2, 1, 6)
+    wrong = out.clone()
+    wrong[0, 0, int(dst[0]), 0, 0, 0] += 1.0
+    assert "differ from the source's" in wl.judge_strict(wrong, s, 2, 1, 6)
+    swapped = out.clone()
+    swapped[0, 0, int(dst[0])], swapped[0, 0, int(dst[1])] = out[0, 0, int(dst[1])], out[0, 0, int(dst[0])]
+    assert "differ" in wl.judge_strict(swapped, s, 2, 1, 6)
+
+
+# -- programs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_program_parses(wl: KvTransfer, name: str) -> None:
+    parsed = parse_program(wl.program_text(name))
+    assert {"setup", "run"} <= parsed.functions
+    assert bool(parsed.cuda_sources) == (name == "seed")
+
+
+def test_seed_knobs(wl: KvTransfer) -> None:
+    text = with_config(wl.program_text("seed"), ctas=32, layers_per_launch=4)
+    assert "ctas=32" in text and "layers_per_launch=4" in text
+    parse_program(text)
+
+
+def test_seed_cuda_compiles(wl: KvTransfer) -> None:
+    _toolchain_or_skip()
+    artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
+    assert artifact.path.exists()
+    for kernel in ("kv_push", "kv_land"):
+        assert f"'{kernel}'" in artifact.log
+    assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
+
+
+# -- running the host baselines over gloo ---------------------------------------------------------
+# Spawned workers inherit sys.path (pytest has given it tests/), so they import kv_jobs by name.
+@pytest.fixture(scope="module")
+def cpu_pool():
+    with WorkerPool(2, device="cpu", job_timeout_s=120) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("program", HOST_PROGRAMS)
+def test_host_programs_on_cpu(program: str, cpu_pool: WorkerPool) -> None:
+    # The stand-in prefill's bf16 GEMMs take seconds each on a CPU: P > 0 shapes run on GPUs only.
+    for shape in ("S37-KV2", "S40-KV1-L2-F3", "S300-L2"):
+        result = cpu_pool.run("kv_jobs:run_program_check", program=program, shape_text=shape, seed=11)
+        assert result.ok, f"{program} {shape}: {result.first_failure()}"
+        for value in result.values:
+            assert value["inputs_intact"], f"{program} {shape} modified its inputs"
+            assert not value["strict"], f"{program} {shape}: {value['strict']}"
+            assert not value["harness"], f"{program} {shape}: {value['harness']}"
+
+
+def test_seed_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
+    result = cpu_pool.run("kv_jobs:program_availability")
+    assert result.ok, result.first_failure()
+    reasons = result.values[0]
+    assert all(reasons[name] is None for name in HOST_PROGRAMS)
+    assert "CUDA" in reasons["seed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_program_on_gpus(wl: KvTransfer, program: str, world: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    shapes = [s.label for s in wl.check_shapes(world)] + ["S40-KV1-L2-F3", "S4096-F100", "S8192-P1"]
+    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
+        for shape in shapes:
+            result = pool.run("kv_jobs:run_program_check", program=program, shape_text=shape, seed=5, calls=3)
+            assert result.ok, f"{program} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"], f"{program} {shape} modified its inputs"
+                assert not value["strict"] and not value["harness"], f"{program} {shape}: {value}"
