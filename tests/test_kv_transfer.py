@@ -205,6 +205,86 @@ def test_seed_cuda_compiles(wl: KvTransfer) -> None:
     assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
 
 
+# The push kernel's page copy compiled for the host: for tokens that fill or do not fill the last
+# block, several head counts, free blocks and thread splits, every page of every layer must land
+# in both caches at its table's block, zero-padded past S, and nothing else may be touched.
+PAGE_CHECK_MAIN = r"""
+#include <cstdio>
+#include <vector>
+#include <algorithm>
+
+static unsigned long long lcg(unsigned long long& s) { s = s * 6364136223846793005ull + 1442695040888963407ull; return s >> 33; }
+
+int main() {
+  int cases = 0, bad = 0;
+  const long long tokens_list[] = {1, 15, 16, 17, 37, 64};
+  const long long heads_list[] = {1, 2, 8};
+  const long long free_list[] = {0, 3};
+  const long long thread_counts[] = {1, 7, 64, 512};
+  const int layers = 3;
+  unsigned long long seed = 12345;
+  for (long long tokens : tokens_list)
+  for (long long heads : heads_list)
+  for (long long free_blocks : free_list)
+  for (long long nthreads : thread_counts) {
+    const long long token_units = heads * 128 * 2 / 16, page_units = 16 * token_units;
+    const long long nb = (tokens + 15) / 16, total = nb + free_blocks;
+    std::vector<long long> src(total), dst(total);
+    for (long long i = 0; i < total; i++) src[i] = dst[i] = i;
+    for (long long i = total - 1; i > 0; i--) { std::swap(src[i], src[lcg(seed) % (i + 1)]); std::swap(dst[i], dst[lcg(seed) % (i + 1)]); }
+    std::vector<uint4> kv((size_t)layers * 2 * tokens * token_units);
+    for (size_t u = 0; u < kv.size(); u++) kv[u] = make_uint4((unsigned)u + 1, (unsigned)(u * 7), 3u, (unsigned)cases);
+    const uint4 poison = make_uint4(0xEEEEEEEEu, 0xEEEEEEEEu, 0xEEEEEEEEu, 0xEEEEEEEEu);
+    std::vector<uint4> cache((size_t)layers * 2 * total * page_units, poison), land(cache), out(cache);
+    for (int layer = 0; layer < layers; layer++)
+      for (long long p = 0; p < 2 * nb; p++)
+        for (long long tid = 0; tid < nthreads; tid++)
+          kv_push_page(kv.data(), cache.data(), land.data(), src.data(), dst.data(), nb, total, total, tokens,
+                       token_units, layer, p, tid, nthreads);
+    for (int layer = 0; layer < layers; layer++)  // kv_land's copy, landing -> output
+      for (long long p = 0; p < 2 * nb; p++) {
+        size_t at = kv_page(layer, (int)(p / nb), dst[p % nb], total, page_units);
+        for (long long u = 0; u < page_units; u++) out[at + u] = land[at + u];
+      }
+    auto same = [](uint4 a, uint4 b) { return a.x == b.x && a.y == b.y && a.z == b.z && a.w == b.w; };
+    for (int layer = 0; layer < layers; layer++)
+      for (int half = 0; half < 2; half++)
+        for (long long b = 0; b < total; b++) {
+          long long i_src = -1, i_dst = -1;
+          for (long long i = 0; i < nb; i++) { if (src[i] == b) i_src = i; if (dst[i] == b) i_dst = i; }
+          for (long long u = 0; u < page_units; u++) {
+            size_t at = kv_page(layer, half, b, total, page_units);
+            auto want = [&](long long i) {
+              if (i < 0) return poison;
+              long long t = 16 * i + u / token_units;
+              return t < tokens ? kv[((size_t)(layer * 2 + half) * tokens + t) * token_units + u % token_units] : make_uint4(0u, 0u, 0u, 0u);
+            };
+            if (!same(cache[at + u], want(i_src)) || !same(land[at + u], want(i_dst)) || !same(out[at + u], want(i_dst))) { bad++; goto next; }
+          }
+        }
+    next:
+    cases++;
+  }
+  printf("cases %d wrong %d\n", cases, bad);
+  return bad != 0;
+}
+"""
+
+
+def test_seed_page_copy_on_host(wl: KvTransfer, tmp_path) -> None:
+    import subprocess
+
+    _toolchain_or_skip()
+    source = tmp_path / "page_check.cu"
+    source.write_text(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"] + PAGE_CHECK_MAIN)
+    exe = tmp_path / "page_check"
+    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
+                            str(source), "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+
+
 # -- running the host baselines over gloo ---------------------------------------------------------
 # Spawned workers inherit sys.path (pytest has given it tests/), so they import kv_jobs by name.
 @pytest.fixture(scope="module")

@@ -48,6 +48,43 @@ __host__ __device__ inline size_t kv_page(int layer, int half, long long block, 
   return ((size_t)(layer * 2 + half) * (size_t)nb_total + (size_t)block) * (size_t)page_units;
 }
 
+// Page p (half = p / nb, block i = p % nb) of one layer, the share of thread tid of nthreads: the
+// 16 tokens [16i, 16i + 16) of kv[layer, half] (zeros past `tokens`) to this rank's cache page
+// src_blocks[i] and to the landing page dst_blocks[i] (`land`: the peer's window, or any buffer).
+__host__ __device__ inline void kv_push_page(const uint4* kv, uint4* cache, uint4* land, const long long* src_blocks,
+                                             const long long* dst_blocks, long long nb, long long src_total,
+                                             long long dst_total, long long tokens, long long token_units, int layer,
+                                             long long p, long long tid, long long nthreads) {
+  const long long page_units = 16 * token_units;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const int half = (int)(p / nb);
+  const long long i = p % nb;
+  const long long valid = (tokens - 16 * i < 16 ? tokens - 16 * i : 16) * token_units;
+  const uint4* from = kv + ((size_t)(layer * 2 + half) * (size_t)tokens + 16 * (size_t)i) * token_units;
+  uint4* mine = cache + kv_page(layer, half, src_blocks[i], src_total, page_units);
+  uint4* theirs = land + kv_page(layer, half, dst_blocks[i], dst_total, page_units);
+  long long u = tid;
+  for (; u + (KV_UNROLL - 1) * nthreads < page_units; u += KV_UNROLL * nthreads) {
+    uint4 v[KV_UNROLL];
+#pragma unroll
+    for (int k = 0; k < KV_UNROLL; k++) {
+      long long w = u + k * nthreads;
+      v[k] = w < valid ? from[w] : zero;
+    }
+#pragma unroll
+    for (int k = 0; k < KV_UNROLL; k++) {
+      long long w = u + k * nthreads;
+      mine[w] = v[k];
+      theirs[w] = v[k];
+    }
+  }
+  for (; u < page_units; u += nthreads) {
+    uint4 v = u < valid ? from[u] : zero;
+    mine[u] = v;
+    theirs[u] = v;
+  }
+}
+
 // All ranks: CTA b meets CTA b of every rank (ranks line up between calls).
 __device__ inline void kv_barrier(ncclDevComm& dc) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dc, ncclTeamLsa(dc), dc.lsaBarrier, blockIdx.x};
@@ -65,36 +102,10 @@ extern "C" __global__ void kv_push(const uint4* kv, uint4* cache, const long lon
                                    ncclDevComm dc) {
   if (open_barrier) kv_barrier(dc);
   uint4* land = (uint4*)ncclGetLsaPointer(land_win, land_offset, peer);
-  const long long page_units = 16 * token_units;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   for (int layer = l0; layer < l1; layer++) {
     for (long long p = blockIdx.x; p < 2 * nb; p += gridDim.x) {
-      const int half = (int)(p / nb);
-      const long long i = p % nb;
-      const long long valid = (tokens - 16 * i < 16 ? tokens - 16 * i : 16) * token_units;
-      const uint4* from = kv + ((size_t)(layer * 2 + half) * (size_t)tokens + 16 * (size_t)i) * token_units;
-      uint4* mine = cache + kv_page(layer, half, src_blocks[i], src_total, page_units);
-      uint4* theirs = land + kv_page(layer, half, dst_blocks[i], dst_total, page_units);
-      long long u = threadIdx.x;
-      for (; u + (KV_UNROLL - 1) * (long long)blockDim.x < page_units; u += KV_UNROLL * blockDim.x) {
-        uint4 v[KV_UNROLL];
-#pragma unroll
-        for (int k = 0; k < KV_UNROLL; k++) {
-          long long w = u + k * (long long)blockDim.x;
-          v[k] = w < valid ? from[w] : zero;
-        }
-#pragma unroll
-        for (int k = 0; k < KV_UNROLL; k++) {
-          long long w = u + k * (long long)blockDim.x;
-          mine[w] = v[k];
-          theirs[w] = v[k];
-        }
-      }
-      for (; u < page_units; u += blockDim.x) {
-        uint4 v = u < valid ? from[u] : zero;
-        mine[u] = v;
-        theirs[u] = v;
-      }
+      kv_push_page(kv, cache, land, src_blocks, dst_blocks, nb, src_total, dst_total, tokens, token_units, layer, p,
+                   threadIdx.x, blockDim.x);
     }
     // The whole CTA's stores of this layer before the release (bar.sync is cumulative).
     __syncthreads();
