@@ -434,3 +434,25 @@ def test_cascade_on_cpu(wl: MoELayer, cpu_pool: WorkerPool) -> None:
                                                "def run(ctx, state, inputs, out):\n    inputs = dict(inputs, topk_weights=inputs['topk_weights'] * torch.tensor([1.0] * (inputs['topk_weights'].shape[1] - 1) + [0.0]))")
     verdict = ev.check(dropping)
     assert not verdict.ok and verdict.failure.value == "wrong_result", verdict
+
+
+# -- template -------------------------------------------------------------------------------------
+def test_template(wl: MoELayer) -> None:
+    from commweave.evaluate.program import load_program
+    from commweave.space.template import directives_of
+
+    template = wl.template()
+    seed = template.seed_directives()
+    assert template.check(seed, 4) == []
+    rendered = template.render(seed, template.default_shape(4), 4)
+    assert directives_of(rendered) == seed
+    assert load_program(rendered).CONFIG == load_program(wl.program_text("seed")).CONFIG
+    for changes, reason in ((dict(sync="chunk"), "implements sync peer only"),
+                            (dict(placement="fused"), "implements placement split only"),
+                            (dict(knobs={**seed.knob_dict, "overlap": "sometimes"}), "knob overlap='sometimes'")):
+        assert any(reason in w for w in template.check(seed.with_(**changes), 4)), changes
+    variant = seed.with_(comm_ctas=32, knobs={**seed.knob_dict, "overlap": False, "wait": "stream"})
+    config = load_program(template.render(variant, template.default_shape(2), 2)).CONFIG
+    assert (config["comm_ctas"], config["overlap"], config["wait"]) == (32, False, "stream")
+    values = template.dimension_values(4)
+    assert values["knob:overlap"] == (True, False, "auto") and values["comm_ctas"] == (4, 8, 16, 32, 64)

@@ -172,3 +172,8 @@ class MoELayer(Workload):
         used = [min(per_rank, p) for p in pairs_in]  # experts that can be used at most
         memory = max(u * 3 * h * i * item + 4 * p * h * item + 2 * t * h * item for u, p in zip(used, pairs_in))
         return Cost(flops=flops, comm_bytes=comm, memory_bytes=memory)
+
+    def template(self):
+        from commweave.workloads.moe.template import make_template
+
+        return make_template(self)

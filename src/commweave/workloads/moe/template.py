@@ -1,0 +1,74 @@
+"""moe's template: directive sets rendered onto the seed by editing its CONFIG knobs.
+
+What the seed implements, and so what this template renders:
+- backend `lsa` (NVLink stores through `ncclGetLsaPointer`), placement `split` (dispatch and
+  combine kernels on a side stream, grouped GEMMs on the current stream chasing flags), sync
+  `peer` (one ready flag per (source, destination) region), issuer `cta` (a CTA's warps copy rows,
+  one release signal per CTA and destination), language `cuda`, no compression;
+- comm CTAs -> CONFIG `comm_ctas` (the dispatch kernel's CTAs);
+- chunk bytes: the seed signals whole regions, so one value stands for "no chunking" (a
+  per-chunk sync is not implemented and is rejected);
+- template knobs: `threads`, `combine_ctas`, `combine_threads`, `comm_priority`, `overlap`,
+  `wait`, `graph` (the seed's).
+Everything else is rejected with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from commweave.evaluate.program import with_config
+from commweave.space import Capabilities, DirectiveSet, Space, Template
+from commweave.workloads.base import Shape
+
+REGION = 64 << 20  # the chunk-bytes value that stands for "one flag per whole region"
+
+COMM_CTAS = (4, 8, 16, 32, 64)
+KNOBS: dict[str, tuple[Any, ...]] = {
+    # 1024 threads are left out: moe_dispatch has 62 registers a thread, 1024 x 62 leaves no room.
+    "threads": (128, 256, 512),
+    "combine_ctas": (4, 8, 16, 32),
+    "combine_threads": (128, 256, 512),
+    "comm_priority": (-1, 0),
+    "overlap": (True, False, "auto"),
+    "wait": ("kernel", "stream"),
+    "graph": (True, False),
+}
+
+
+class MoETemplate(Template):
+    workload = "moe"
+
+    def __init__(self, workload: Any = None):
+        if workload is None:
+            from commweave.workloads.moe.workload import MoELayer
+
+            workload = MoELayer()
+        self.wl = workload
+        self._seed_text = workload.program_text(workload.seed)
+
+    def space(self, world_size: int, capabilities: Any = None) -> Space:
+        return Space(chunk_bytes_min=REGION, chunk_bytes_max=REGION, comm_ctas=COMM_CTAS,
+                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+
+    def supported(self) -> dict[str, tuple[Any, ...]]:
+        return {"backend": ("lsa",), "placement": ("split",), "comm_ctas": COMM_CTAS, "sync": ("peer",), "issuer": ("cta",),
+                "chunk_bytes": (REGION,), "compression": ("none",), "group_size": (0,), "language": ("cuda",),
+                **{f"knob:{k}": v for k, v in KNOBS.items()}}
+
+    def seed_directives(self) -> DirectiveSet:
+        """The seed as it is: 16 dispatch CTAs, region flags, its CONFIG defaults."""
+        return DirectiveSet.make(backend="lsa", placement="split", sync="peer", issuer="cta", comm_ctas=16,
+                                 chunk_bytes=REGION, language="cuda",
+                                 knobs=dict(threads=512, combine_ctas=16, combine_threads=512, comm_priority=-1,
+                                            overlap="auto", wait="kernel", graph=True))
+
+    def default_shape(self, world_size: int) -> Shape:
+        return self.wl.dsv3_shape(4096, world_size)
+
+    def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
+        return with_config(self._seed_text, comm_ctas=ds.comm_ctas, **ds.knob_dict)
+
+
+def make_template(workload: Any = None) -> MoETemplate:
+    return MoETemplate(workload)
