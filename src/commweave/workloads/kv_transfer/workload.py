@@ -224,3 +224,8 @@ class KvTransfer(Workload):
 
     def tolerance(self) -> float:
         return 0.0  # a copy is bit-exact (a relative error would let a few wrong pages through)
+
+    def template(self):
+        from commweave.workloads.kv_transfer.template import make_template
+
+        return make_template(self)

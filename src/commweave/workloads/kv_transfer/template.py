@@ -1,0 +1,68 @@
+"""kv-transfer's template: directive sets rendered onto the seed by editing its CONFIG knobs.
+
+What the seed implements, and so what this template renders:
+- backend `lsa` (NVLink stores through `ncclGetLsaPointer`), placement `split` (the push kernel
+  on a side stream, the stand-in prefill on the current stream), issuer `cta` (a CTA copies whole
+  pages, one release signal per CTA and layer), language `cuda`, no compression;
+- sync `chunk`: one counter per layer on the destination;
+- comm CTAs -> CONFIG `ctas`; chunk bytes -> CONFIG `layers_per_launch` = chunk bytes over one
+  layer's bytes (2 * pages * page bytes), at least 1, at most L. It depends on the shape, so a
+  rendered program is specific to the shape it was rendered for (others still run correctly);
+- template knobs: `threads`, `comm_priority` (the seed's).
+Everything else is rejected with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from commweave.evaluate.program import with_config
+from commweave.space import Capabilities, DirectiveSet, Space, Template
+from commweave.workloads.base import Shape
+
+KNOBS: dict[str, tuple[Any, ...]] = {
+    "threads": (128, 256, 512),  # kv_push uses 64 registers a thread: 1024 would not fit an SM
+    "comm_priority": (-1, 0),
+}
+
+
+class KvTransferTemplate(Template):
+    workload = "kv-transfer"
+
+    def __init__(self, workload: Any = None):
+        if workload is None:
+            from commweave.workloads.kv_transfer.workload import KvTransfer
+
+            workload = KvTransfer()
+        self.wl = workload
+        self._seed_text = workload.program_text(workload.seed)
+
+    def space(self, world_size: int, capabilities: Any = None) -> Space:
+        return Space(chunk_bytes_min=1 << 20, chunk_bytes_max=1 << 30, comm_ctas=(1, 2, 4, 8, 16, 32, 64),
+                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+
+    def supported(self) -> dict[str, tuple[Any, ...]]:
+        return {"backend": ("lsa",), "placement": ("split",), "sync": ("chunk",), "issuer": ("cta",),
+                "compression": ("none",), "group_size": (0,), "language": ("cuda",),
+                **{f"knob:{k}": v for k, v in KNOBS.items()}}
+
+    def seed_directives(self) -> DirectiveSet:
+        """The seed as it is: 16 CTAs, one layer per launch, its CONFIG defaults."""
+        return DirectiveSet.make(backend="lsa", placement="split", sync="chunk", issuer="cta", comm_ctas=16,
+                                 chunk_bytes=1 << 20, language="cuda", knobs=dict(threads=512, comm_priority=-1))
+
+    def default_shape(self, world_size: int) -> Shape:
+        return self.wl.make_shape(8192, world_size, passes=13)
+
+    @staticmethod
+    def layers_per_launch(ds: DirectiveSet, shape: Shape) -> int:
+        layer_bytes = 2 * shape["blocks"] * shape["B"] * shape["KV"] * shape["D"] * 2  # bf16
+        return max(1, min(shape["L"], ds.chunk_bytes // layer_bytes))
+
+    def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
+        return with_config(self._seed_text, ctas=ds.comm_ctas, layers_per_launch=self.layers_per_launch(ds, shape),
+                           **ds.knob_dict)
+
+
+def make_template(workload: Any = None) -> KvTransferTemplate:
+    return KvTransferTemplate(workload)

@@ -1,0 +1,61 @@
+"""kv-transfer's design-space template: what it renders, what it rejects, and that renders load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from commweave.evaluate.program import load_program, parse_program
+from commweave.space import directives_of
+from commweave.workloads.kv_transfer.template import make_template
+
+TEMPLATE = make_template()
+SHAPE = TEMPLATE.default_shape(4)
+
+
+def test_seed_rendering_is_the_seed():
+    assert TEMPLATE.check(TEMPLATE.seed_directives(), 4) == []
+    rendered = TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)
+    assert load_program(rendered).CONFIG == load_program(TEMPLATE.wl.program_text("seed")).CONFIG
+
+
+def test_rejects_what_it_does_not_implement():
+    seed = TEMPLATE.seed_directives()
+    cases = {
+        "fused": (dict(placement="fused"), "implements placement split only"),
+        "peer": (dict(sync="peer"), "implements sync chunk only"),
+        "warp": (dict(issuer="warp"), "implements issuer cta only"),
+        "knob": (dict(knobs={"threads": 1024, "comm_priority": -1}), "knob threads=1024 is not one of"),
+    }
+    for name, (changes, reason) in cases.items():
+        assert any(reason in w for w in TEMPLATE.check(seed.with_(**changes), 4)), name
+    with pytest.raises(ValueError, match="backend lsa only"):
+        TEMPLATE.render(seed.with_(backend="gin"), SHAPE, 4)
+
+
+def test_chunk_bytes_become_layers_per_launch():
+    seed = TEMPLATE.seed_directives()
+    layer = 2 * SHAPE["blocks"] * 16 * 8 * 128 * 2  # S8192: 32 MiB a layer
+    assert layer == 32 << 20
+    assert TEMPLATE.layers_per_launch(seed.with_(chunk_bytes=1 << 20), SHAPE) == 1
+    assert TEMPLATE.layers_per_launch(seed.with_(chunk_bytes=128 << 20), SHAPE) == 4
+    assert TEMPLATE.layers_per_launch(seed.with_(chunk_bytes=1 << 30), SHAPE) == 32
+
+
+def test_rendered_sample_parses_and_carries_its_directives():
+    values = TEMPLATE.dimension_values(4)
+    rng = random.Random(5)
+    rendered = 0
+    for _ in range(40):
+        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()})
+        if TEMPLATE.check(ds, 4):
+            continue
+        text = TEMPLATE.render(ds, SHAPE, 4)
+        parse_program(text)
+        assert directives_of(text) == ds
+        config = load_program(text).CONFIG
+        assert config["ctas"] == ds.comm_ctas and config["layers_per_launch"] == TEMPLATE.layers_per_launch(ds, SHAPE)
+        assert all(config[k] == v for k, v in ds.knobs)
+        rendered += 1
+    assert rendered
