@@ -82,7 +82,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                       scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float | None = None, backend: str = "auto",
+                       native_gqa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * q k^T [+ causal mask]) v for one block, and the rows' log-sum-exp.
 
     `causal`: the top-left aligned diagonal mask (query i sees keys j <= i), for square blocks.
@@ -90,7 +91,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     Rows with every key masked have lse -inf and out 0.
     backend 'torch': float32 math (any device; memory Sq*Sk*Hq floats). 'flash': torch's flash
     kernel (`aten._scaled_dot_product_flash_attention`, CUDA, fp16/bf16), KV heads repeated for
-    GQA. 'auto': flash on CUDA half tensors, else torch.
+    GQA unless `native_gqa` (the kernel reads KV head h // group itself, as torch's
+    `causal_lower_right` path relies on; not yet tried on the GPU machine). 'auto': flash on CUDA
+    half tensors, else torch.
     """
     group = _check_qkv(q, k, v)
     if causal and q.shape[0] != k.shape[0]:
@@ -99,7 +102,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if backend == "auto":
         backend = "flash" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "torch"
     if backend == "flash":
-        if group > 1:
+        if group > 1 and not native_gqa:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),

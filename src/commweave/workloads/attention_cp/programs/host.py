@@ -16,6 +16,7 @@ from commweave.workloads.attention_cp.attention import attention_with_lse, block
 # EVOLVE-BLOCK-START
 CONFIG = dict(
     backend="auto",  # block attention: "flash" (CUDA bf16, returns LSE), "torch" (float32 math), "auto"
+    native_gqa=False,  # flash reads grouped KV heads itself (else K/V repeated per query head); untried
 )
 
 
@@ -49,7 +50,8 @@ def _attend(ctx, state, q, kv, src):
                 raise RuntimeError(f"block {q_range} x {k_range} is neither full, diagonal nor masked")
             kn = k_range[1] - k_range[0]
             o, lse = attention_with_lse(q[q_row:q_row + qn], kv[0, k_row:k_row + kn], kv[1, k_row:k_row + kn],
-                                        causal=kind == "causal", scale=state["scale"], backend=CONFIG["backend"])
+                                        causal=kind == "causal", scale=state["scale"], backend=CONFIG["backend"],
+                                        native_gqa=CONFIG["native_gqa"])
             merge_into(state["acc"][q_row:q_row + qn], state["lse"][q_row:q_row + qn], o, lse)
 
 

@@ -42,6 +42,7 @@ CONFIG = dict(
     wait="kernel",  # "kernel": a 1-thread acquire spin per piece; "stream": cuStreamWaitValue64
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
     backend="auto",  # block attention: "flash" (returns LSE), "torch" (float32 math), "auto"
+    native_gqa=False,  # flash reads grouped KV heads itself (else K/V repeated per query head); untried
 )
 MAX_GRAPHS = 32
 
@@ -261,7 +262,7 @@ def _attend(state, q, k, v, k_range, q_segments):
             raise RuntimeError(f"block {q_range} x {k_range} is neither full, diagonal nor masked")
         n = q_range[1] - q_range[0]
         o, lse = attention_with_lse(q[q_row:q_row + n], k, v, causal=kind == "causal", scale=state["scale"],
-                                    backend=CONFIG["backend"])
+                                    backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
         merge_into(state["acc"][q_row:q_row + n], state["lse"][q_row:q_row + n], o, lse)
 
 

@@ -4,8 +4,9 @@ Calls the function `context_parallel` dispatches SDPA to, `_scaled_dot_product_r
 on this rank's shards directly: torch rotates K and V between ranks (all-to-all or all-gather
 rotater) and merges flash attention blocks by LSE. Its load-balanced causal layout is ours (chunks
 r and 2W-1-r in that order), switched on for causal shapes only (torch refuses it otherwise).
-torch's flash path needs as many KV heads as query heads, so for GQA K and V are repeated per
-query head before the call: torch then moves Hq/Hkv times more bytes than the other programs.
+torch's ring assumes as many KV heads as query heads, so for GQA K and V are repeated per query
+head before the call (CONFIG repeat_kv): torch then moves Hq/Hkv times more bytes than the other
+programs. repeat_kv=False hands the flash op grouped heads directly (untried on GPUs).
 """
 
 import torch
@@ -13,6 +14,7 @@ import torch
 # EVOLVE-BLOCK-START
 CONFIG = dict(
     rotate="alltoall",  # torch's rotater: "alltoall" (a ring of exchanges) or "allgather"
+    repeat_kv=True,  # repeat K/V per query head for GQA; False passes Hkv heads to the flash op (untried)
 )
 
 
@@ -55,7 +57,7 @@ def setup(ctx, shape):
 def run(ctx, state, inputs, out):
     module, group = state["module"], state["group"]
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    if group > 1:
+    if group > 1 and CONFIG["repeat_kv"]:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     saved = module._cp_options.enable_load_balance
     module._cp_options.enable_load_balance = state["causal"]  # process-wide torch state, restored below
