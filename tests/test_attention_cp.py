@@ -19,13 +19,13 @@ from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
 from commweave.workloads.attention_cp.attention import (
-    attention_with_lse, block_kind, chunked_attention, merge_into, merge_partials, shard_positions, shard_ranges,
-    visible_pairs,
+    attention_with_lse, block_kind, chunked_attention, merge_into, merge_partials, piece_plan, shard_positions,
+    shard_ranges, visible_pairs,
 )
 from commweave.workloads.attention_cp.workload import AttentionCP
 
 CPU = torch.device("cpu")
-PROGRAMS = ("allgather", "host", "seed", "torch_cp")
+PROGRAMS = ("allgather", "host", "seed", "seed_pull", "torch_cp")
 HOST_PROGRAMS = ("host", "allgather")
 
 
@@ -300,7 +300,7 @@ def test_reference_chunked_for_large(wl: AttentionCP, monkeypatch: pytest.Monkey
 def test_program_parses(wl: AttentionCP, name: str) -> None:
     parsed = parse_program(wl.program_text(name))
     assert {"setup", "run"} <= parsed.functions
-    assert bool(parsed.cuda_sources) == (name == "seed")
+    assert bool(parsed.cuda_sources) == name.startswith("seed")
 
 
 def _seed_cuda() -> str:
@@ -434,6 +434,72 @@ def test_seed_plan_on_host(wl: AttentionCP, world: int, index: int, chunks: int)
         assert (state["acc"] - ref).norm() / ref.norm() < 1e-4
 
 
+@pytest.mark.parametrize("world,index,chunks", [(2, 0, 1), (4, 0, 3), (4, 2, 2), (2, 1, 200)])
+def test_seed_pull_plan_on_host(wl: AttentionCP, world: int, index: int, chunks: int) -> None:
+    """The pull seed's plan (`piece_plan`, also the push seed's `plan`) and its `_attend` on CPU:
+    the local blocks plus its pull order's pieces, each copied into a slot as `cw_kv_pull` does,
+    cover every key once and merge to the reference. chunks=200 leaves pieces empty."""
+    pull = load_program(wl.program_text("seed_pull"), "seed_pull")
+    push = load_program(wl.program_text("seed"), "seed")
+    s = wl.check_shapes(world)[index]
+    causal = bool(s["CAUSAL"])
+    shards = [wl.make_inputs(s, world, r, 4, CPU) for r in range(world)]
+    for rank in range(world):
+        q_segments, pieces = piece_plan(s["S"], world, rank, causal, chunks)
+        assert (q_segments, pieces) == push.plan(s, world, rank, chunks)
+        order = [((rank - j) % world, p) for j in range(1, world) for p, ((a, b), _) in enumerate(pieces[(rank - j) % world]) if b > a]
+        state = {"acc": torch.zeros(s["S"] // world, s["HQ"], s["D"]),
+                 "lse": torch.full((s["S"] // world, s["HQ"]), float("-inf")), "causal": causal, "scale": s["D"] ** -0.5}
+        q, k, v = shards[rank]["q"], shards[rank]["k"], shards[rank]["v"]
+        for (a, b), row in q_segments:
+            pull._attend(state, q, k[row:row + b - a], v[row:row + b - a], (a, b), q_segments)
+        rows = max(b - a for r in range(world) for (a, b), _ in pieces[r])
+        slot = torch.full((2, rows, s["HKV"], s["D"]), float("nan"), dtype=torch.bfloat16)
+        covered = [shard_positions(s["S"], world, rank, causal)]
+        for src, p in order:
+            (a, b), row = pieces[src][p]
+            slot[0, :b - a] = shards[src]["k"][row:row + b - a]
+            slot[1, :b - a] = shards[src]["v"][row:row + b - a]
+            pull._attend(state, q, slot[0, :b - a], slot[1, :b - a], (a, b), q_segments)
+            covered.append(torch.arange(a, b))
+        assert torch.equal(torch.cat(covered).sort().values, torch.arange(s["S"]))
+        ref = wl.reference(s, world, rank, 4, CPU)
+        assert (state["acc"] - ref).norm() / ref.norm() < 1e-4
+
+
+PULL_CHECK_MAIN = r"""
+#include <cstdio>
+#include <vector>
+
+int main() {
+  int bad = 0, cases = 0;
+  for (size_t n : {0, 1, 5, 63, 64, 1000})
+  for (size_t nthreads : {1, 3, 64, 512}) {
+    std::vector<uint4> src(n + 1), dst(n + 1, make_uint4(7, 7, 7, 7));
+    for (size_t i = 0; i < n + 1; i++) src[i] = make_uint4((unsigned)i, 1, 2, 3);
+    for (size_t tid = 0; tid < nthreads; tid++) cw_pull16(src.data(), dst.data(), n, tid, nthreads);
+    for (size_t i = 0; i < n; i++) bad += dst[i].x != i || dst[i].w != 3;
+    bad += dst[n].x != 7;  // nothing past the end
+    cases++;
+  }
+  printf("cases %d wrong %d\n", cases, bad);
+  return bad != 0;
+}
+"""
+
+
+def test_seed_pull_copy_on_host(tmp_path: Path) -> None:
+    _toolchain_or_skip()
+    source = tmp_path / "pull_check.cu"
+    source.write_text(parse_program(AttentionCP().program_text("seed_pull")).cuda_sources["CUDA_SRC"] + PULL_CHECK_MAIN)
+    exe = tmp_path / "pull_check"
+    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
+                            str(source), "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+
+
 # -- running programs -----------------------------------------------------------------------------
 # Spawned workers inherit sys.path (pytest put tests/ on it), so they import attention_jobs by name.
 @pytest.mark.parametrize("world", [2, 4])
@@ -451,7 +517,7 @@ def test_host_programs_on_cpu(wl: AttentionCP, world: int) -> None:
             assert result.ok, result.first_failure()
             reasons = result.values[0]
             assert reasons["host"] is None and reasons["allgather"] is None
-            assert "CUDA" in reasons["seed"] and "CUDA" in reasons["torch_cp"]
+            assert all("CUDA" in reasons[name] for name in ("seed", "seed_pull", "torch_cp"))
 
 
 @pytest.mark.gpu

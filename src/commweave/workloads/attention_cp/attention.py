@@ -187,3 +187,27 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
             acc, acc_lse = merge_partials(acc, acc_lse, part, lse)
         out[q0:q0 + q_block] = acc.reshape(-1, hq, d)
     return out
+
+
+def piece_plan(seq: int, world: int, rank: int, causal: bool,
+               chunks: int) -> tuple[list[tuple[tuple[int, int], int]], dict[int, list[tuple[tuple[int, int], int]]]]:
+    """How device-initiated programs cut the exchange: `rank`'s query chunks
+    [((start, end), first row)], and for every rank r the pieces of its K/V shard
+    [((start, end), first row in the shard)] (each shard segment in `chunks` pieces, row
+    seg_rows * c // chunks onwards), in order. Global positions; rows within the shard."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be at least 1, not {chunks}")
+    pieces = {}
+    for r in range(world):
+        ranges, row = [], 0
+        for a, b in shard_ranges(seq, world, r, causal):
+            for c in range(chunks):
+                p0, p1 = (b - a) * c // chunks, (b - a) * (c + 1) // chunks
+                ranges.append(((a + p0, a + p1), row + p0))
+            row += b - a
+        pieces[r] = ranges
+    queries, row = [], 0
+    for a, b in shard_ranges(seq, world, rank, causal):
+        queries.append(((a, b), row))
+        row += b - a
+    return queries, pieces
