@@ -205,6 +205,32 @@ def test_seed_cuda_compiles(wl: KvTransfer) -> None:
     assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
 
 
+def test_seed_launches_match_kernel_signatures(wl: KvTransfer, tmp_path) -> None:
+    """Every `.launch(..., [args])` in the seed passes as many arguments as its kernel declares
+    (read from nvcc's PTX), so a GPU session does not find out by a LaunchError."""
+    import ast
+    import subprocess
+
+    _toolchain_or_skip()
+    text = wl.program_text("seed")
+    source = tmp_path / "seed.cu"
+    source.write_text(parse_program(text).cuda_sources["CUDA_SRC"])
+    ptx = tmp_path / "seed.ptx"
+    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-ptx", f"-I{find_nccl().include_dir}",
+                            str(source), "-o", str(ptx)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    params = {m.group(1): len(re.findall(r"\.param\b", m.group(2)))
+              for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.read_text(), re.S)}
+    assert set(params) == {"kv_push", "kv_land"}
+    names = dict(re.findall(r'"(\w+)": module\.kernel\("(\w+)"\)', text))  # state key -> kernel
+    launches = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch":
+            key = node.func.value.slice.value  # state["push"].launch(...)
+            launches[names[key]] = len(node.args[2].elts)
+    assert launches == params
+
+
 # The push kernel's page copy compiled for the host: for tokens that fill or do not fill the last
 # block, several head counts, free blocks and thread splits, every page of every layer must land
 # in both caches at its table's block, zero-padded past S, and nothing else may be touched.
