@@ -322,7 +322,7 @@ def cpu_pool():
 @pytest.mark.parametrize("program", HOST_PROGRAMS)
 def test_host_programs_on_cpu(program: str, cpu_pool: WorkerPool) -> None:
     # The stand-in prefill's bf16 GEMMs take seconds each on a CPU: P > 0 shapes run on GPUs only.
-    for shape in ("S37-KV2", "S40-KV1-L2-F3", "S300-L2"):
+    for shape in ("S37-KV2", "S40-KV1-L2-F3"):  # S300-L2 (all 8 heads) runs in test_kv_transfer_cascade.py
         result = cpu_pool.run("kv_jobs:run_program_check", program=program, shape_text=shape, seed=11)
         assert result.ok, f"{program} {shape}: {result.first_failure()}"
         for value in result.values:
@@ -353,3 +353,13 @@ def test_program_on_gpus(wl: KvTransfer, program: str, world: int) -> None:
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"
                 assert not value["strict"] and not value["harness"], f"{program} {shape}: {value}"
+
+
+def test_two_pairs_on_four_cpu_workers() -> None:
+    """World 4: ranks (0 -> 1) and (2 -> 3) transfer different sequences at once, each bit-exact."""
+    with WorkerPool(4, device="cpu", job_timeout_s=120) as pool:
+        for program in HOST_PROGRAMS:
+            result = pool.run("kv_jobs:run_program_check", program=program, shape_text="S37-KV2-L2-F2", seed=8)
+            assert result.ok, f"{program}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"] and not value["strict"], f"{program}: {value}"
