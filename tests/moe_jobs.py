@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from commweave.evaluate.program import load_program
+from commweave.evaluate.program import load_program, with_config
 from commweave.workloads.moe.workload import MoELayer
 
 
-def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int = 2) -> dict[str, float | bool]:
-    """Run a moe program `calls` times on fresh inputs per call (a new seed each), poisoning the
-    output before each: the largest relative Frobenius error against the reference, and whether
-    it left its inputs as they were."""
+def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int = 2,
+                      config: dict | None = None) -> dict[str, float | bool]:
+    """Run a moe program (with CONFIG knobs set from `config`) `calls` times on fresh inputs per
+    call (a new seed each), poisoning the output before each: the largest relative Frobenius error
+    against the reference, and whether it left its inputs as they were."""
     workload = MoELayer()
     shape = workload.parse_shape(shape_text, ctx.world_size)
-    module = load_program(workload.program_text(program), program)
+    text = workload.program_text(program)
+    module = load_program(with_config(text, **config) if config else text, program)
     reason = module.available(ctx) if hasattr(module, "available") else None
     if reason:
         raise RuntimeError(f"{program} is not available here: {reason}")

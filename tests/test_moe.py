@@ -456,3 +456,20 @@ def test_template(wl: MoELayer) -> None:
     assert (config["comm_ctas"], config["overlap"], config["wait"]) == (32, False, "stream")
     values = template.dimension_values(4)
     assert values["knob:overlap"] == (True, False, "auto") and values["comm_ctas"] == (4, 8, 16, 32, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [dict(overlap=True), dict(overlap=False), dict(wait="stream", graph=False)])
+def test_seed_variants_on_gpus(wl: MoELayer, world: int, config: dict) -> None:
+    """Both GEMM schedules and the stream-wait path, on the check shapes and decode at full size."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]
+    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
+        for shape in shapes:
+            result = pool.run("moe_jobs:run_program_check", program="seed", shape_text=shape.label, seed=9, calls=3,
+                              config=config)
+            assert result.ok, f"seed {config} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"] and value["error"] < wl.tolerance(), f"seed {config} {shape}: {value}"
