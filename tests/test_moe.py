@@ -382,14 +382,14 @@ def cpu_pool():
         yield pool
 
 
-@pytest.mark.parametrize("program", ["host", "host_padded"])
-def test_host_programs_on_cpu(wl: MoELayer, cpu_pool: WorkerPool, program: str) -> None:
+@pytest.mark.parametrize("program,config", [("host", None), ("host", {"experts": "loop"}), ("host_padded", None)])
+def test_host_programs_on_cpu(wl: MoELayer, cpu_pool: WorkerPool, program: str, config: dict | None) -> None:
     for shape in wl.check_shapes(2):
-        result = cpu_pool.run("moe_jobs:run_program_check", program=program, shape_text=shape.label, seed=11)
+        result = cpu_pool.run("moe_jobs:run_program_check", program=program, shape_text=shape.label, seed=11, config=config)
         assert result.ok, result.first_failure()
         for value in result.values:
             assert value["inputs_intact"]
-            assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+            assert value["error"] < wl.tolerance(), f"{program} {config} {shape}: error {value['error']:.3g}"
 
 
 def test_seed_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:

@@ -4,7 +4,8 @@ The variant CUCo's paper compares against: every (source, expert) bucket is padd
 capacity C, the largest bucket over all ranks (one `all_reduce(MAX)` of the per-expert counts;
 its value comes to the host to size the buffers), so dispatch and combine are equal-split
 `all_to_all_single` on [W, E/W, C, H] buffers and no count exchange is needed: padding rows are
-zeros and come back as zeros (SwiGLU(0) = 0), each expert runs on all W*C rows of its bucket.
+zeros and come back as zeros (SwiGLU(0) = 0), each expert runs on all W*C rows of its bucket
+(one batched matmul over the E/W experts per projection).
 Padding costs bytes and FLOPs under skew; the layout costs no regrouping.
 
 Runs unchanged on CPU workers over gloo (all_reduce MAX and all_to_all_single are supported).
@@ -40,12 +41,11 @@ def run(ctx, state, inputs, out):
     recv = torch.empty_like(send)  # [W (sources), E/W, C, H] after the exchange
     dist.all_to_all_single(recv, send, group=ctx.group)
     buckets = recv.view(world, per_rank, cap, hidden)
-    results = torch.empty_like(buckets)
-    for e in range(per_rank):
-        rows = buckets[:, e].reshape(world * cap, hidden)
-        gate_up = rows @ inputs["w13"][e].t()
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        results[:, e] = (h @ inputs["w2"][e].t()).view(world, cap, hidden)
+    rows = buckets.transpose(0, 1).reshape(per_rank, world * cap, hidden)  # [E/W, W*C, H]
+    gate_up = torch.bmm(rows, inputs["w13"].transpose(1, 2))
+    h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    y = torch.bmm(h, inputs["w2"].transpose(1, 2))  # [E/W, W*C, H]
+    results = y.view(per_rank, world, cap, hidden).transpose(0, 1).contiguous()
     returned = torch.empty_like(send)
     dist.all_to_all_single(returned, results.view(n_experts * cap, hidden), group=ctx.group)
     per_pair = torch.empty(flat.numel(), hidden, dtype=x.dtype, device=x.device)
