@@ -83,7 +83,8 @@ def list_workloads() -> None:
         table.add_column(col)
     for name, wl in registry().items():
         programs = f"{', '.join(wl.baselines)}; {wl.seed}"
-        shapes = ", ".join(s.label for s in wl.bench_shapes(max(wl.world_sizes)))
+        labels = [s.label for s in wl.bench_shapes(max(wl.world_sizes))]
+        shapes = ", ".join(labels[:6]) + (f", … ({len(labels)} in all)" if len(labels) > 6 else "")
         table.add_row(name, wl.summary, ", ".join(map(str, wl.world_sizes)), programs, shapes)
     console.print(table)
 
