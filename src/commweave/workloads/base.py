@@ -16,6 +16,17 @@ from pathlib import Path
 import torch
 
 
+def seeded_generator(device: torch.device, *key: int) -> torch.Generator:
+    """A generator determined by `key` (seed, stream, rank, ...): any rank can redraw any other
+    rank's inputs, so references are computed from pristine data, never from a program's tensors."""
+    gen = torch.Generator(device=device)
+    h = 0
+    for k in key:
+        h = (h * 1_000_003 + k + 7) % (2**63)
+    gen.manual_seed(h)
+    return gen
+
+
 @dataclass(frozen=True)
 class Shape:
     """One problem size, e.g. Shape('8192x8192x8192', {'M': 8192, 'N': 8192, 'K': 8192})."""

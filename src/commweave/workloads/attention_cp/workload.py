@@ -15,7 +15,7 @@ import re
 import torch
 
 from commweave.workloads.attention_cp.attention import chunked_attention, shard_positions, shard_ranges, visible_pairs
-from commweave.workloads.base import Cost, Shape, Workload
+from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
 
 SEQ_LENGTHS = (16384, 32768, 65536, 131072)
 HEADS = ((32, 8), (32, 32))  # (query heads, KV heads): Llama-style GQA, and plain multi-head
@@ -28,12 +28,6 @@ Q_SCALE = 2.0  # queries ~ N(0, 4): scores with std ~2, so the softmax is peaked
 EXACT_LIMIT = 1 << 26
 _LABEL = re.compile(r"^\s*s(\d+)-q(\d+)kv(\d+)-d(\d+)-(causal|full)\s*$")
 _CUCO = re.compile(r"^\s*cuco-s(\d+)-d(\d+)-(causal|full)\s*$")
-
-
-def _rank_generator(world_size: int, rank: int, seed: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + world_size * 101 + rank) % (2**63))
-    return gen
 
 
 class AttentionCP(Workload):
@@ -92,7 +86,7 @@ class AttentionCP(Workload):
 
     # -- data -----------------------------------------------------------------------------------
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-        gen = _rank_generator(world_size, rank, seed, device)
+        gen = seeded_generator(device, seed, world_size, rank)
         local = shape["S"] // world_size
         q = torch.randn(local, shape["HQ"], shape["D"], generator=gen, device=device, dtype=torch.float32) * Q_SCALE
         k = torch.randn(local, shape["HKV"], shape["D"], generator=gen, device=device, dtype=torch.float32)

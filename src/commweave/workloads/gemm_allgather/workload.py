@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from commweave.workloads.base import Cost, Shape, Workload
+from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
 LLAMA70B_N_LOCAL = 3584  # Llama-3-70B MLP up-projection (28672 wide) split over 8, per rank
@@ -21,13 +21,6 @@ LLAMA70B_K = 8192  # Llama-3-70B hidden size
 LLAMA70B_M = (4096, 8192, 16384)
 _DIMS = re.compile(r"^\s*(-?\d+)\s*[xX]\s*(-?\d+)\s*[xX]\s*(-?\d+)\s*$")
 _LLAMA = re.compile(r"^\s*llama70b-M(-?\d+)\s*$")
-
-
-def _rank_generator(world_size: int, rank: int, seed: int, device: torch.device) -> torch.Generator:
-    """One generator stream per (seed, world size, rank), so every rank's shards can be redrawn."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + world_size * 101 + rank) % (2**63))
-    return gen
 
 
 class GemmAllGather(Workload):
@@ -77,7 +70,7 @@ class GemmAllGather(Workload):
 
     # -- data -----------------------------------------------------------------------------------
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-        gen = _rank_generator(world_size, rank, seed, device)
+        gen = seeded_generator(device, seed, world_size, rank)
         m_local, k, n_local = shape["M"] // world_size, shape["K"], shape["N"] // world_size
         a = torch.randn(m_local, k, generator=gen, device=device, dtype=torch.float32)
         b = torch.randn(k, n_local, generator=gen, device=device, dtype=torch.float32) / math.sqrt(k)

@@ -39,7 +39,7 @@ import re
 
 import torch
 
-from commweave.workloads.base import Cost, Shape, Workload
+from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
 
 LAYERS = 32  # Llama-3-8B
 KV_HEADS = 8
@@ -58,12 +58,6 @@ def pair_of(rank: int) -> tuple[int, int, bool]:
     """(source rank, destination rank, this rank is the source) of rank's pair."""
     src = rank - rank % 2
     return src, src + 1, rank % 2 == 0
-
-
-def _generator(seed: int, world_size: int, stream: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + world_size * 101 + stream * 7919) % (2**63))
-    return gen
 
 
 class KvTransfer(Workload):
@@ -133,7 +127,7 @@ class KvTransfer(Workload):
         """(src_blocks, dst_blocks) of rank's pair: int64 [nb], each nb distinct blocks of NB drawn
         at random (on the CPU, so every device draws the same tables)."""
         src, _, _ = pair_of(rank)
-        gen = _generator(seed, world_size, 1000 + src, torch.device("cpu"))
+        gen = seeded_generator(torch.device("cpu"), seed, world_size, 1000 + src)
         nb, total = shape["blocks"], shape["NB"]
         src_blocks = torch.randperm(total, generator=gen)[:nb].contiguous()
         dst_blocks = torch.randperm(total, generator=gen)[:nb].contiguous()
@@ -143,7 +137,7 @@ class KvTransfer(Workload):
     def new_kv(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
         """The K/V the prefill of rank's pair produces: [L, 2, S, KV, D] bf16."""
         src, _, _ = pair_of(rank)
-        gen = _generator(seed, world_size, src, device)
+        gen = seeded_generator(device, seed, world_size, src)
         dims = (shape["L"], 2, shape["S"], shape["KV"], shape["D"])
         return torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(self.dtype)
 
@@ -153,7 +147,7 @@ class KvTransfer(Workload):
         if pair_of(rank)[2]:
             inputs["kv"] = self.new_kv(shape, world_size, rank, seed, device)
             if shape["P"]:
-                gen = _generator(seed, world_size, 5000 + rank, device)
+                gen = seeded_generator(device, seed, world_size, 5000 + rank)
                 x = torch.randn(shape["S"], HIDDEN, generator=gen, device=device, dtype=torch.float32)
                 w = torch.randn(HIDDEN, HIDDEN, generator=gen, device=device, dtype=torch.float32) / HIDDEN**0.5
                 inputs["x"], inputs["w"] = x.to(self.dtype), w.to(self.dtype)

@@ -24,7 +24,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from commweave.workloads.base import Cost, Shape, Workload
+from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
 from commweave.workloads.moe import routing
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
@@ -32,15 +32,6 @@ DSV3_TOKENS = (128, 4096)  # decode, prefill (tokens per rank)
 SKEW_RATIOS = (2, 3, 4, 5)
 _DSV3 = re.compile(r"^\s*dsv3-T(-?\d+)(?:-skew(-?\d+))?\s*$")
 _GENERIC = re.compile(r"^\s*T(-?\d+)-H(-?\d+)-I(-?\d+)-E(-?\d+)-k(-?\d+)-g(-?\d+)-tg(-?\d+)(?:-skew(-?\d+))?\s*$")
-
-
-def _generator(device: torch.device, *key: int) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    h = 0
-    for k in key:
-        h = (h * 1_000_003 + k + 7) % (2**63)
-    gen.manual_seed(h)
-    return gen
 
 
 class MoELayer(Workload):
@@ -104,14 +95,14 @@ class MoELayer(Workload):
     # -- data -----------------------------------------------------------------------------------
     def gate(self, shape: Shape, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate's weights [E, H] (fp32) and score-correction bias [E], shared by all ranks."""
-        gen = _generator(device, seed, 1)
+        gen = seeded_generator(device, seed, 1)
         gate_w = torch.randn(shape["E"], shape["H"], generator=gen, device=device) / math.sqrt(shape["H"])
         bias = 0.01 * torch.randn(shape["E"], generator=gen, device=device)
         return gate_w, bias
 
     def expert_weights(self, shape: Shape, seed: int, expert: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s w13 [2I, H] (gate rows then up rows) and w2 [H, I], bf16."""
-        gen = _generator(device, seed, 2, expert)
+        gen = seeded_generator(device, seed, 2, expert)
         h, i = shape["H"], shape["I"]
         w13 = torch.randn(2 * i, h, generator=gen, device=device) / math.sqrt(h)
         w2 = torch.randn(h, i, generator=gen, device=device) / math.sqrt(i)
@@ -119,7 +110,7 @@ class MoELayer(Workload):
 
     def tokens_and_routing(self, shape: Shape, world_size: int, rank: int, seed: int,
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        gen = _generator(device, seed, 3, world_size, rank)
+        gen = seeded_generator(device, seed, 3, world_size, rank)
         x = torch.randn(shape["T"], shape["H"], generator=gen, device=device).to(self.dtype)
         if shape["skew"]:
             idx, w = routing.skewed_route(shape["T"], shape["E"], shape["K"], world_size, shape["skew"], gen, device)
