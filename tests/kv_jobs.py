@@ -42,13 +42,3 @@ def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int 
         module.teardown(ctx, state)
     ctx.end_candidate()
     return {"strict": problems, "harness": harness, "inputs_intact": intact}
-
-
-def program_availability(ctx) -> dict[str, str | None]:
-    """Each kv-transfer program's `available(ctx)` answer on this rank (None: runs here)."""
-    workload = KvTransfer()
-    reasons: dict[str, str | None] = {}
-    for name in workload.program_names():
-        module = load_program(workload.program_text(name), name)
-        reasons[name] = module.available(ctx) if hasattr(module, "available") else None
-    return reasons

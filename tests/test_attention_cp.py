@@ -501,19 +501,19 @@ def test_seed_pull_copy_on_host(tmp_path: Path) -> None:
 
 
 # -- running programs -----------------------------------------------------------------------------
-# Spawned workers inherit sys.path (pytest put tests/ on it), so they import attention_jobs by name.
+# Spawned workers inherit sys.path (pytest put tests/ on it), so they import program_jobs by name.
 @pytest.mark.parametrize("world", [2, 4])
 def test_host_programs_on_cpu(wl: AttentionCP, world: int) -> None:
     with WorkerPool(world, device="cpu", job_timeout_s=120) as pool:
         for program in HOST_PROGRAMS:
             for shape in wl.check_shapes(world):
-                result = pool.run("attention_jobs:run_program_check", program=program, shape_text=shape.label, seed=11)
+                result = pool.run("program_jobs:run_program_check", workload="attention-cp", program=program, shape_text=shape.label, seed=11)
                 assert result.ok, f"{program} {shape}: {result.first_failure()}"
                 for value in result.values:
                     assert value["inputs_intact"], f"{program} {shape} modified its inputs"
                     assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
         if world == 2:
-            result = pool.run("attention_jobs:program_availability")
+            result = pool.run("program_jobs:program_availability", workload="attention-cp")
             assert result.ok, result.first_failure()
             reasons = result.values[0]
             assert reasons["host"] is None and reasons["allgather"] is None
@@ -530,7 +530,7 @@ def test_program_on_gpus(wl: AttentionCP, program: str, world: int) -> None:
               wl.parse_shape("s16384-q32kv8-d128-full", world)]
     with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
         for shape in shapes:
-            result = pool.run("attention_jobs:run_program_check", program=program, shape_text=shape.label, seed=5, calls=3)
+            result = pool.run("program_jobs:run_program_check", workload="attention-cp", program=program, shape_text=shape.label, seed=5, calls=3)
             assert result.ok, f"{program} {shape}: {result.first_failure()}"
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"

@@ -211,7 +211,7 @@ def test_seed_copy_path_on_host(tmp_path: Path) -> None:
 
 # -- running programs -----------------------------------------------------------------------------
 # Spawned workers inherit this process's sys.path (multiprocessing's spawn passes it on), which
-# pytest has given tests/, so they can import the jobs in gemm_jobs.py by name.
+# pytest has given tests/, so they can import the jobs in program_jobs.py by name.
 @pytest.fixture(scope="module")
 def cpu_pool():
     with WorkerPool(2, device="cpu", job_timeout_s=120) as pool:
@@ -220,7 +220,7 @@ def cpu_pool():
 
 def test_host_program_on_cpu(wl: GemmAllGather, cpu_pool: WorkerPool) -> None:
     for shape in wl.check_shapes(2):
-        result = cpu_pool.run("gemm_jobs:run_program_check", program="host", shape_text=shape.label, seed=11)
+        result = cpu_pool.run("program_jobs:run_program_check", workload="gemm-allgather", program="host", shape_text=shape.label, seed=11)
         assert result.ok, result.first_failure()
         for value in result.values:
             assert value["inputs_intact"]
@@ -228,7 +228,7 @@ def test_host_program_on_cpu(wl: GemmAllGather, cpu_pool: WorkerPool) -> None:
 
 
 def test_device_programs_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
-    result = cpu_pool.run("gemm_jobs:program_availability")
+    result = cpu_pool.run("program_jobs:program_availability", workload="gemm-allgather")
     assert result.ok, result.first_failure()
     reasons = result.values[0]
     assert reasons["host"] is None
@@ -244,7 +244,7 @@ def test_program_on_gpus(wl: GemmAllGather, program: str, world: int) -> None:
     shapes = [*wl.check_shapes(world), wl.parse_shape("8192x8192x8192", world)]
     with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
         for shape in shapes:
-            result = pool.run("gemm_jobs:run_program_check", program=program, shape_text=shape.label, seed=5, calls=3)
+            result = pool.run("program_jobs:run_program_check", workload="gemm-allgather", program=program, shape_text=shape.label, seed=5, calls=3)
             assert result.ok, f"{program} {shape}: {result.first_failure()}"
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"

@@ -332,7 +332,7 @@ def test_host_programs_on_cpu(program: str, cpu_pool: WorkerPool) -> None:
 
 
 def test_seed_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
-    result = cpu_pool.run("kv_jobs:program_availability")
+    result = cpu_pool.run("program_jobs:program_availability", workload="kv-transfer")
     assert result.ok, result.first_failure()
     reasons = result.values[0]
     assert all(reasons[name] is None for name in HOST_PROGRAMS)

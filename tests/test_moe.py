@@ -385,7 +385,7 @@ def cpu_pool():
 @pytest.mark.parametrize("program,config", [("host", None), ("host", {"experts": "loop"}), ("host_padded", None)])
 def test_host_programs_on_cpu(wl: MoELayer, cpu_pool: WorkerPool, program: str, config: dict | None) -> None:
     for shape in wl.check_shapes(2):
-        result = cpu_pool.run("moe_jobs:run_program_check", program=program, shape_text=shape.label, seed=11, config=config)
+        result = cpu_pool.run("program_jobs:run_program_check", workload="moe", program=program, shape_text=shape.label, seed=11, config=config)
         assert result.ok, result.first_failure()
         for value in result.values:
             assert value["inputs_intact"]
@@ -393,7 +393,7 @@ def test_host_programs_on_cpu(wl: MoELayer, cpu_pool: WorkerPool, program: str, 
 
 
 def test_seed_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
-    result = cpu_pool.run("moe_jobs:program_availability")
+    result = cpu_pool.run("program_jobs:program_availability", workload="moe")
     assert result.ok, result.first_failure()
     reasons = result.values[0]
     assert reasons["host"] is None and reasons["host_padded"] is None
@@ -409,7 +409,7 @@ def test_program_on_gpus(wl: MoELayer, program: str, world: int) -> None:
     shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]
     with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
         for shape in shapes:
-            result = pool.run("moe_jobs:run_program_check", program=program, shape_text=shape.label, seed=5, calls=3)
+            result = pool.run("program_jobs:run_program_check", workload="moe", program=program, shape_text=shape.label, seed=5, calls=3)
             assert result.ok, f"{program} {shape}: {result.first_failure()}"
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"
@@ -468,7 +468,7 @@ def test_seed_variants_on_gpus(wl: MoELayer, world: int, config: dict) -> None:
     shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]
     with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
         for shape in shapes:
-            result = pool.run("moe_jobs:run_program_check", program="seed", shape_text=shape.label, seed=9, calls=3,
+            result = pool.run("program_jobs:run_program_check", workload="moe", program="seed", shape_text=shape.label, seed=9, calls=3,
                               config=config)
             assert result.ok, f"seed {config} {shape}: {result.first_failure()}"
             for value in result.values:
