@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import itertools
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cuda_host import run_host_check, toolchain_or_skip
 from commweave.evaluate.program import load_program, parse_program
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
-from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
 from commweave.workloads.attention_cp.attention import (
     attention_with_lse, block_kind, chunked_attention, merge_into, merge_partials, piece_plan, shard_positions,
     shard_ranges, visible_pairs,
@@ -32,14 +31,6 @@ HOST_PROGRAMS = ("host", "allgather")
 @pytest.fixture(scope="module")
 def wl() -> AttentionCP:
     return AttentionCP()
-
-
-def _toolchain_or_skip() -> None:
-    try:
-        nvcc_path()
-        find_nccl()
-    except ToolchainError as exc:
-        pytest.skip(f"cannot compile CUDA here: {exc}")
 
 
 def _sdpa(q, k, v, causal=False):
@@ -308,7 +299,7 @@ def _seed_cuda() -> str:
 
 
 def test_seed_cuda_compiles() -> None:
-    _toolchain_or_skip()
+    toolchain_or_skip()
     artifact = compile_cubin(_seed_cuda())
     assert artifact.path.exists()
     for kernel in ("cw_kv_push", "cw_kv_wait"):
@@ -317,7 +308,7 @@ def test_seed_cuda_compiles() -> None:
 
 
 def test_every_cuda_source_compiles(wl: AttentionCP) -> None:
-    _toolchain_or_skip()
+    toolchain_or_skip()
     for name in PROGRAMS:
         for source in parse_program(wl.program_text(name)).cuda_sources.values():
             assert compile_cubin(source).path.exists()
@@ -395,15 +386,7 @@ int main() {
 
 
 def test_seed_copy_path_on_host(tmp_path: Path) -> None:
-    _toolchain_or_skip()
-    source = tmp_path / "copy_check.cu"
-    source.write_text(_seed_cuda() + COPY_CHECK_MAIN)
-    exe = tmp_path / "copy_check"
-    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
-                            str(source), "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+    run_host_check(_seed_cuda(), COPY_CHECK_MAIN, tmp_path, "copy_check", timeout_s=120)
 
 
 @pytest.mark.parametrize("world,index,chunks", [(2, 0, 1), (4, 0, 3), (4, 1, 2), (2, 2, 5)])
@@ -489,15 +472,7 @@ int main() {
 
 
 def test_seed_pull_copy_on_host(tmp_path: Path) -> None:
-    _toolchain_or_skip()
-    source = tmp_path / "pull_check.cu"
-    source.write_text(parse_program(AttentionCP().program_text("seed_pull")).cuda_sources["CUDA_SRC"] + PULL_CHECK_MAIN)
-    exe = tmp_path / "pull_check"
-    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
-                            str(source), "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+    run_host_check(parse_program(AttentionCP().program_text("seed_pull")).cuda_sources["CUDA_SRC"], PULL_CHECK_MAIN, tmp_path, "pull_check", timeout_s=60)
 
 
 # -- running programs -----------------------------------------------------------------------------

@@ -7,16 +7,15 @@ is run on the host; `pytest -m gpu` runs every program on the GPUs themselves.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from cuda_host import run_host_check, toolchain_or_skip
 from commweave.evaluate.program import parse_program
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
-from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
 from commweave.workloads import get_workload
 from commweave.workloads.gemm_allgather.workload import GemmAllGather
 
@@ -27,14 +26,6 @@ PROGRAMS = ("host", "torch_async_tp", "seed")
 @pytest.fixture(scope="module")
 def wl() -> GemmAllGather:
     return GemmAllGather()
-
-
-def _toolchain_or_skip() -> None:
-    try:
-        nvcc_path()
-        find_nccl()
-    except ToolchainError as exc:
-        pytest.skip(f"cannot compile CUDA here: {exc}")
 
 
 # -- shapes ---------------------------------------------------------------------------------------
@@ -138,7 +129,7 @@ def _seed_cuda() -> str:
 
 
 def test_seed_cuda_compiles() -> None:
-    _toolchain_or_skip()
+    toolchain_or_skip()
     artifact = compile_cubin(_seed_cuda())
     assert artifact.path.exists()
     for kernel in ("cw_ag_push", "cw_ag_wait"):
@@ -198,15 +189,7 @@ int main() {
 
 
 def test_seed_copy_path_on_host(tmp_path: Path) -> None:
-    _toolchain_or_skip()
-    source = tmp_path / "copy_check.cu"
-    source.write_text(_seed_cuda() + COPY_CHECK_MAIN)
-    exe = tmp_path / "copy_check"
-    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
-                            str(source), "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+    run_host_check(_seed_cuda(), COPY_CHECK_MAIN, tmp_path, "copy_check")
 
 
 # -- running programs -----------------------------------------------------------------------------

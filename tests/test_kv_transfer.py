@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
+from cuda_host import nvcc_host_build, run_host_check, toolchain_or_skip
 from commweave.evaluate.checks import poison_
 from commweave.evaluate.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
-from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
 from commweave.workloads.kv_transfer.workload import KvTransfer, pair_of
 
 CPU = torch.device("cpu")
@@ -26,14 +26,6 @@ HOST_PROGRAMS = ("host", "host_per_block", "host_layerwise")
 @pytest.fixture(scope="module")
 def wl() -> KvTransfer:
     return KvTransfer()
-
-
-def _toolchain_or_skip() -> None:
-    try:
-        nvcc_path()
-        find_nccl()
-    except ToolchainError as exc:
-        pytest.skip(f"cannot compile CUDA here: {exc}")
 
 
 # -- shapes ---------------------------------------------------------------------------------------
@@ -197,7 +189,7 @@ def test_seed_knobs(wl: KvTransfer) -> None:
 
 
 def test_seed_cuda_compiles(wl: KvTransfer) -> None:
-    _toolchain_or_skip()
+    toolchain_or_skip()
     artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
     assert artifact.path.exists()
     for kernel in ("kv_push", "kv_land"):
@@ -209,16 +201,11 @@ def test_seed_launches_match_kernel_signatures(wl: KvTransfer, tmp_path) -> None
     """Every `.launch(..., [args])` in the seed passes as many arguments as its kernel declares
     (read from nvcc's PTX), so a GPU session does not find out by a LaunchError."""
     import ast
-    import subprocess
 
-    _toolchain_or_skip()
     text = wl.program_text("seed")
-    source = tmp_path / "seed.cu"
-    source.write_text(parse_program(text).cuda_sources["CUDA_SRC"])
-    ptx = tmp_path / "seed.ptx"
-    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-ptx", f"-I{find_nccl().include_dir}",
-                            str(source), "-o", str(ptx)], capture_output=True, text=True)
+    build = nvcc_host_build(parse_program(text).cuda_sources["CUDA_SRC"], tmp_path, "seed.ptx", "-ptx")
     assert build.returncode == 0, build.stderr
+    ptx = tmp_path / "seed.ptx"
     params = {m.group(1): len(re.findall(r"\.param\b", m.group(2)))
               for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.read_text(), re.S)}
     assert set(params) == {"kv_push", "kv_land"}
@@ -298,17 +285,7 @@ int main() {
 
 
 def test_seed_page_copy_on_host(wl: KvTransfer, tmp_path) -> None:
-    import subprocess
-
-    _toolchain_or_skip()
-    source = tmp_path / "page_check.cu"
-    source.write_text(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"] + PAGE_CHECK_MAIN)
-    exe = tmp_path / "page_check"
-    build = subprocess.run([str(nvcc_path()), "-std=c++17", "-arch=sm_90", "-O2", f"-I{find_nccl().include_dir}",
-                            str(source), "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and " wrong 0" in result.stdout, result.stdout + result.stderr
+    run_host_check(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"], PAGE_CHECK_MAIN, tmp_path, "page_check")
 
 
 # -- running the host baselines over gloo ---------------------------------------------------------

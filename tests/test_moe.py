@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cuda_host import toolchain_or_skip
 from commweave.evaluate.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
-from commweave.runtime.toolchain import ToolchainError, find_nccl, nvcc_path
 from commweave.workloads.moe import routing
 from commweave.workloads.moe.workload import MoELayer
 
@@ -363,11 +363,7 @@ def test_seed_config_knobs(wl: MoELayer) -> None:
 
 
 def test_seed_cuda_compiles(wl: MoELayer) -> None:
-    try:
-        nvcc_path()
-        find_nccl()
-    except ToolchainError as exc:
-        pytest.skip(f"cannot compile CUDA here: {exc}")
+    toolchain_or_skip()
     artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
     assert artifact.path.exists()
     for kernel in ("moe_dispatch", "moe_combine", "moe_wait"):

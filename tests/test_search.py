@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from commweave.evaluate.floor import MachineRates
-from commweave.evaluate.verdict import Verdict
 from commweave.search import Budget, CompileAhead, Evolution, ProgramDB, SearchConfig
 from commweave.search.cost import predict_s
 from commweave.search.proposer import Memory, OfflineProposer
