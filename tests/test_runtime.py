@@ -140,3 +140,10 @@ def test_triton_peer_kernel_compiles_for_sm90():
                        signature={"src_address": "i64", "out_ptr": "*fp32", "count": "i32", "BLOCK": "constexpr"})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert "ld.global" in kernel.asm["ptx"] and ".target sm_90" in kernel.asm["ptx"]
+
+
+def test_call_graphs_refuses_a_capacity_below_one():
+    from commweave.runtime.graphs import CallGraphs
+
+    with pytest.raises(ValueError, match="capacity"):
+        CallGraphs(0)

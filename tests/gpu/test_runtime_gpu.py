@@ -51,3 +51,10 @@ def test_triton_kernel_reads_a_peer_window_through_peer_ptrs(pool):
     result = pool.run("commweave.runtime.selftest:triton_peer_read")
     assert result.ok, result.first_failure()
     assert all(v["ok"] for v in result.values), result.values
+
+
+@needs_gpus
+def test_call_graphs_replay_on_new_data_and_evict(pool):
+    result = pool.run("commweave.runtime.selftest:call_graphs_replay")
+    assert result.ok, result.first_failure()
+    assert all(v["ok"] and v["kept"] == 2 for v in result.values), result.values

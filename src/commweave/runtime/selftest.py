@@ -11,6 +11,7 @@ import torch.distributed as dist
 from commweave.runtime import nccl
 from commweave.runtime.capabilities import rdma_devices
 from commweave.runtime.context import RankContext
+from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.nccl import KERNELS_DIR
 
 LSA_ALLREDUCE_CTAS = 8
@@ -77,3 +78,18 @@ def triton_peer_read(ctx: RankContext, count: int = 5000) -> dict[str, Any]:
     ok = bool((out == float(peer + 1)).all())
     ctx.end_candidate()
     return {"rank": ctx.rank, "ok": ok}
+
+
+def call_graphs_replay(ctx: RankContext) -> dict[str, Any]:
+    """CallGraphs on a GPU: eager first call, then one capture per address set, replays that
+    compute on new data, and the oldest graph evicted past capacity."""
+    graphs = CallGraphs(capacity=2)
+    sets = [(torch.randn(64, 64, device=ctx.device), torch.empty(64, 64, device=ctx.device)) for _ in range(3)]
+    ok = True
+    for _ in range(2):
+        for x, out in sets:
+            x.normal_()
+            graphs(lambda x=x, out=out: torch.mm(x, x, out=out), [x, out])
+            torch.cuda.synchronize(ctx.device)
+            ok &= bool(torch.allclose(out, x @ x, rtol=1e-3, atol=1e-3))
+    return {"ok": ok, "kept": len(graphs)}

@@ -29,6 +29,7 @@ lazy library handles are created outside a capture).
 
 import torch
 
+from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.launch import stream_wait_geq
 from commweave.workloads.attention_cp.attention import attention_with_lse, block_kind, merge_into, shard_ranges
 
@@ -224,7 +225,7 @@ def setup(ctx, shape):
     return {
         "kv_full": kv_full, "flags": flags, "dc": dc, "kv_win": ctx.window(kv_full), "flag_win": ctx.window(flags),
         "push": module.kernel("cw_kv_push"), "wait": module.kernel("cw_kv_wait"),
-        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": {}, "warm": False,
+        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
         "acc": torch.empty(local, hq, d, dtype=torch.float32, device=ctx.device),
         "lse": torch.empty(local, hq, dtype=torch.float32, device=ctx.device),
         "rows": local, "row_units": row_bytes // 16, "segments": segments, "pieces": pieces, "ctas": ctas,
@@ -233,23 +234,10 @@ def setup(ctx, shape):
 
 
 def run(ctx, state, inputs, out):
-    if not CONFIG["graph"]:
+    if CONFIG["graph"]:
+        state["graphs"](lambda: _call(ctx, state, inputs, out), [*inputs.values(), out])
+    else:
         _call(ctx, state, inputs, out)
-        return
-    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (inputs["q"], inputs["k"], inputs["v"], out))
-    graphs = state["graphs"]
-    if not state["warm"]:
-        state["warm"] = True  # flash attention and cuBLAS create handles lazily; a capture forbids it
-        _call(ctx, state, inputs, out)
-        return
-    if key not in graphs:
-        if len(graphs) >= MAX_GRAPHS:
-            graphs.pop(next(iter(graphs)))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records; runs nothing
-            _call(ctx, state, inputs, out)
-        graphs[key] = graph
-    graphs[key].replay()
 
 
 def _attend(state, q, k, v, k_range, q_segments):

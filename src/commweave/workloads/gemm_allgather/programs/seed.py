@@ -23,6 +23,7 @@ tensors' addresses, which the graph bakes in).
 
 import torch
 
+from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.launch import stream_wait_geq
 
 # EVOLVE-BLOCK-START
@@ -207,30 +208,16 @@ def setup(ctx, shape):
         "a_full": a_full, "flags": flags, "dc": dc,
         "a_win": ctx.window(a_full), "flag_win": ctx.window(flags),
         "push": module.kernel("cw_ag_push"), "wait": module.kernel("cw_ag_wait"),
-        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": {}, "warm": False, "rows": m // world, "chunks": chunks, "ctas": ctas,
+        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
+        "rows": m // world, "chunks": chunks, "ctas": ctas,
     }
 
 
 def run(ctx, state, inputs, out):
-    if not CONFIG["graph"]:
+    if CONFIG["graph"]:
+        state["graphs"](lambda: _call(ctx, state, inputs, out), [*inputs.values(), out])
+    else:
         _call(ctx, state, inputs, out)
-        return
-    a, b = inputs["a"], inputs["b"]
-    key = (a.data_ptr(), b.data_ptr(), out.data_ptr(), tuple(a.shape), tuple(b.shape), tuple(out.shape))
-    graphs = state["graphs"]
-    if not state["warm"]:
-        # cuBLAS(Lt) creates handles and workspaces on first use, which a capture forbids.
-        state["warm"] = True
-        _call(ctx, state, inputs, out)
-        return
-    if key not in graphs:
-        if len(graphs) >= MAX_GRAPHS:
-            graphs.pop(next(iter(graphs)))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records; runs nothing
-            _call(ctx, state, inputs, out)
-        graphs[key] = graph
-    graphs[key].replay()
 
 
 def _call(ctx, state, inputs, out):

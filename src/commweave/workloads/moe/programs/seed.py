@@ -39,6 +39,7 @@ error the harness reports), never a silent skip.
 import torch
 import torch.nn.functional as F
 
+from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.launch import stream_wait_geq
 from commweave.workloads.moe import routing
 
@@ -229,7 +230,7 @@ def setup(ctx, shape):
         "wait": module.kernel("moe_wait"), "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]),
         "rows": rows, "per_rank": per_rank, "E": n_experts, "K": top_k, "I": shape["I"], "H": hidden,
         "overlap": CONFIG["overlap"] if CONFIG["overlap"] != "auto" else tokens >= OVERLAP_MIN_TOKENS,
-        "graphs": {}, "warm": False,
+        "graphs": CallGraphs(MAX_GRAPHS),
     }
 
 
@@ -240,24 +241,10 @@ def run(ctx, state, inputs, out):
             raise ValueError(f"inputs[{name!r}] must be a contiguous {dtype} tensor, got {t.dtype}")
     if inputs["x"].data_ptr() % 16:
         raise ValueError("inputs['x'] must be 16-byte aligned (rows are copied as 16-byte vectors)")
-    if not CONFIG["graph"]:
+    if CONFIG["graph"]:
+        state["graphs"](lambda: _call(ctx, state, inputs, out), [*inputs.values(), out])
+    else:
         _call(ctx, state, inputs, out)
-        return
-    key = tuple(t.data_ptr() for t in inputs.values()) + (out.data_ptr(),)
-    graphs = state["graphs"]
-    if not state["warm"]:
-        # cuBLAS creates handles and workspaces on first use, which a capture forbids.
-        state["warm"] = True
-        _call(ctx, state, inputs, out)
-        return
-    if key not in graphs:
-        if len(graphs) >= MAX_GRAPHS:
-            graphs.pop(next(iter(graphs)))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records; runs nothing
-            _call(ctx, state, inputs, out)
-        graphs[key] = graph
-    graphs[key].replay()
 
 
 def _wait(state, first, count, target, stream):
