@@ -32,11 +32,11 @@ def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int 
         strict = workload.judge_strict(out, shape, ctx.world_size, ctx.rank, seed + call)
         if strict:
             problems.append(f"call {call}: {strict}")
-        if not shape["F"]:
-            ref = workload.reference(shape, ctx.world_size, ctx.rank, seed + call, ctx.device)
-            verdict = judge_output(out, ref, workload.tolerance())
-            if not verdict.ok:
-                harness.append(f"call {call}: {verdict.message}")
+        ref = workload.reference(shape, ctx.world_size, ctx.rank, seed + call, ctx.device)
+        untouched = workload.untouched(shape, ctx.world_size, ctx.rank, seed + call, ctx.device)
+        verdict = judge_output(out, ref, workload.tolerance(), untouched)
+        if not verdict.ok:
+            harness.append(f"call {call}: {verdict.message}")
         intact &= all(torch.equal(inputs[k], pristine[k]) for k in pristine)
     if hasattr(module, "teardown"):
         module.teardown(ctx, state)

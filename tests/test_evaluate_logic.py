@@ -246,3 +246,26 @@ def run(ctx, state, inputs, out): out.copy_(inputs["x"])
         with_config(text, threads=1)
     with pytest.raises(ProgramError, match="no module-level CONFIG"):
         with_config("x = 1\n", ctas=1)
+
+
+def test_judge_output_with_an_untouched_mask():
+    import torch
+
+    from commweave.evaluate.checks import judge_output, not_ready, poison_
+    from commweave.evaluate.verdict import FailureClass
+
+    ref = torch.arange(1, 9, dtype=torch.float32)
+    untouched = torch.tensor([False] * 6 + [True] * 2)
+    out = poison_(torch.empty(8))
+    out[:6] = ref[:6]
+    assert judge_output(out, ref, 0.0, untouched).ok
+    assert not bool(not_ready(out, untouched)) and bool(not_ready(out))
+    stray = out.clone()
+    stray[7] = 8.0  # the right value, but where nothing may be written
+    verdict = judge_output(stray, ref, 0.0, untouched)
+    assert verdict.failure == FailureClass.WRONG_RESULT and "leave untouched" in verdict.message
+    missing = out.clone()
+    poison_(missing[:1])
+    assert "not written: 1 of 6" in judge_output(missing, ref, 0.0, untouched).message
+    with pytest.raises(ValueError, match="mask shape"):
+        judge_output(out, ref, 0.0, untouched[:4])

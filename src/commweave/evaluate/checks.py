@@ -46,9 +46,11 @@ def poisoned_mask(tensor: torch.Tensor) -> torch.Tensor:
     return ints == pattern
 
 
-def not_ready(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor (on the tensor's device, no sync): any poison or non-finite element."""
-    return poisoned_mask(tensor).any() | ~torch.isfinite(tensor).all()
+def not_ready(tensor: torch.Tensor, untouched: torch.Tensor | None = None) -> torch.Tensor:
+    """A 0-dim bool tensor (on the tensor's device, no sync): any poison or non-finite element
+    among those the program must write (all, unless `untouched` marks some to leave alone)."""
+    bad = poisoned_mask(tensor) | ~torch.isfinite(tensor)
+    return (bad & ~untouched).any() if untouched is not None else bad.any()
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -62,11 +64,22 @@ def modified_inputs(inputs: dict[str, torch.Tensor], pristine: dict[str, torch.T
     return [name for name, tensor in inputs.items() if not _same_bits(tensor, pristine[name])]
 
 
-def judge_output(out: torch.Tensor, reference: torch.Tensor, tolerance: float) -> Verdict:
+def judge_output(out: torch.Tensor, reference: torch.Tensor, tolerance: float,
+                 untouched: torch.Tensor | None = None) -> Verdict:
     """Poison left over -> wrong_result; other NaN/Inf -> nan; relative Frobenius error above
-    `tolerance` -> wrong_result. Raises ValueError for a reference no output should be judged by."""
+    `tolerance` -> wrong_result. `untouched` (a bool mask, from `Workload.untouched`) marks
+    elements the program must leave alone: a write there is a wrong_result, and they are left out
+    of the other checks. Raises ValueError for a reference no output should be judged by."""
     if out.shape != reference.shape:
         raise ValueError(f"output shape {tuple(out.shape)} differs from the reference's {tuple(reference.shape)}")
+    if untouched is not None:
+        if untouched.shape != out.shape:
+            raise ValueError(f"untouched mask shape {tuple(untouched.shape)} differs from the output's {tuple(out.shape)}")
+        stray = int((~poisoned_mask(out) & untouched).sum())
+        if stray:
+            return Verdict.failed(FailureClass.WRONG_RESULT, f"wrote {stray} elements it must leave untouched")
+        keep = ~untouched
+        out, reference = out[keep], reference[keep]
     ref = reference.float()
     ref_norm = float(torch.linalg.vector_norm(ref))
     if not math.isfinite(ref_norm) or ref_norm < MIN_REFERENCE_RMS * math.sqrt(max(1, ref.numel())):

@@ -191,7 +191,8 @@ def _check_seed(ctx: Any, wl: Workload, program: Any, state: Any, steps: _Steps,
         steps.fail(FailureClass.WRONG_RESULT, f"input {', '.join(map(repr, changed))} was modified")
         return
     ref = steps.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    verdict = steps.harness("judging the output", judge_output, out, ref, wl.tolerance())
+    untouched = steps.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
+    verdict = steps.harness("judging the output", judge_output, out, ref, wl.tolerance(), untouched)
     if not verdict.ok:
         steps.fail(verdict.failure, verdict.message)
 
@@ -206,7 +207,8 @@ class RankBench:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
 
 
-def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> tuple[float, bool]:
+def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torch.Tensor,
+                     untouched: torch.Tensor | None) -> tuple[float, bool]:
     """(seconds, output ready at the end of the timed region). Poisoning happens before the timed
     region; all ranks start it together (a device-side barrier on GPUs)."""
     poison_(out)
@@ -216,14 +218,14 @@ def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torc
         start.record()
         program.run(ctx, state, dict(inputs), out)
         end.record()
-        unready = not_ready(out)  # queued right after the end event: the output as the timer saw it
+        unready = not_ready(out, untouched)  # queued right after the end event: the output as the timer saw it
         torch.cuda.synchronize(ctx.device)
         return start.elapsed_time(end) * 1e-3, not bool(unready)
     dist.barrier(group=_harness_group())
     began = time.perf_counter()
     program.run(ctx, state, dict(inputs), out)
     seconds = time.perf_counter() - began
-    return seconds, not bool(not_ready(out))
+    return seconds, not bool(not_ready(out, untouched))
 
 
 def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
@@ -246,21 +248,26 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
     if active:
         sets = _input_sets(ctx, wl, shape, seed, steps)
         result.input_sets = len(sets)
+        untouched = {set_seed: steps.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, set_seed,
+                                             ctx.device) for set_seed, _ in sets}
         outs = {name: steps.harness("make_output()", wl.make_output, shape, ctx.world_size, ctx.rank, ctx.device)
                 for name in active}
         for name, i in interleaved_schedule(list(active), warmup):
             program, state = active[name]
-            _iteration(ctx, name, i, program, state, sets[i % len(sets)][1], outs[name])
+            set_seed, inputs = sets[i % len(sets)]
+            _iteration(ctx, name, i, program, state, inputs, outs[name], untouched[set_seed])
         unready = {name: 0 for name in active}
         for name, i in interleaved_schedule(list(active), iters):
             program, state = active[name]
-            seconds, ready = _iteration(ctx, name, i, program, state, sets[i % len(sets)][1], outs[name])
+            set_seed, inputs = sets[i % len(sets)]
+            seconds, ready = _iteration(ctx, name, i, program, state, inputs, outs[name], untouched[set_seed])
             result.times.setdefault(name, []).append(seconds)
             unready[name] += not ready
         last_seed = sets[(iters - 1) % len(sets)][0]
         ref = steps.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, last_seed, ctx.device)
         for name in active:
-            result.verdicts[name] = _bench_verdict(ctx, wl, name, shape, outs[name], ref, last_seed, unready[name], iters)
+            result.verdicts[name] = _bench_verdict(ctx, wl, name, shape, outs[name], ref, untouched[last_seed],
+                                                   last_seed, unready[name], iters)
         for name, (program, state) in active.items():
             teardown = _Steps(ctx.rank, shape.label)
             _teardown(ctx, teardown, program, state)
@@ -282,24 +289,25 @@ def _input_sets(ctx: Any, wl: Workload, shape: Shape, seed: int, steps: _Steps) 
     return sets
 
 
-def _iteration(ctx: Any, name: str, i: int, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> tuple[float, bool]:
+def _iteration(ctx: Any, name: str, i: int, program: Any, state: Any, inputs: dict, out: torch.Tensor,
+               untouched: torch.Tensor | None) -> tuple[float, bool]:
     """One timed run; any exception aborts the job, named after the program (peers cannot be
     released from the barrier they wait in, so the pool restarts)."""
     try:
-        return _timed_iteration(ctx, program, state, inputs, out)
+        return _timed_iteration(ctx, program, state, inputs, out, untouched)
     except Exception as exc:
         text = f"program {name!r}, benchmark iteration {i}: run() raised {type(exc).__name__}: {exc} (rank {ctx.rank})"
         raise (StickyCudaError(text) if is_sticky_cuda_error(text) else RuntimeError(text)) from exc
 
 
 def _bench_verdict(ctx: Any, wl: Workload, name: str, shape: Shape, out: torch.Tensor, ref: torch.Tensor,
-                   seed: int, unready: int, iters: int) -> Verdict:
+                   untouched: torch.Tensor | None, seed: int, unready: int, iters: int) -> Verdict:
     steps = _Steps(ctx.rank, shape.label)
     if unready:
         steps.fail(FailureClass.SUSPECT, f"output not ready at the end of the timed region in {unready} of {iters} iterations")
         return steps.verdict
     steps.seed = seed
-    verdict = steps.harness("judging the output", judge_output, out, ref, wl.tolerance())
+    verdict = steps.harness("judging the output", judge_output, out, ref, wl.tolerance(), untouched)
     if not verdict.ok:
         steps.fail(verdict.failure, f"benchmark's last iteration: {verdict.message}")
     return steps.verdict

@@ -110,6 +110,11 @@ class Workload(ABC):
     def cost(self, shape: Shape, world_size: int) -> Cost:
         """Per-rank FLOPs and bytes of one call."""
 
+    def untouched(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor | None:
+        """A bool mask of output elements a correct program never writes (they must keep the
+        harness's poison), or None when every element is an output (the default)."""
+        return None
+
     def template(self):  # -> commweave.space.Template
         """The design-space template that renders directive sets into this workload's programs
         (what `commweave evolve` searches). A workload without one cannot be searched yet."""

@@ -21,10 +21,8 @@ bit-exact). Block tables are random, distinct and drawn per (seed, pair); both r
 both tables as inputs.
 
 Free blocks (shape parameter F, default 0): each cache has nb + F blocks, the F not in the table
-must never be written. The harness today counts any poison left in an output as "not written", so
-shapes with F > 0 only pass with the harness change described in NOTES.md (a per-rank mask of
-elements that must stay poisoned, `Workload.untouched`); `judge_strict` here already does that
-check and the tests use it.
+must never be written: `untouched()` marks them, and the harness requires them to keep its poison
+(the check shapes have free blocks).
 
 Stand-in prefill (shape parameter P, default 0): before writing layer l's KV, the source runs P
 bf16 GEMMs [S, 4096] x [4096, 4096] (x, w inputs). P = 13 matches the FLOPs of one Llama-3-8B
@@ -99,11 +97,12 @@ class KvTransfer(Workload):
         return transfer + prefill
 
     def check_shapes(self, world_size: int) -> list[Shape]:
-        # 37 tokens: 3 blocks, the last one partial (5 of 16 slots); 2 KV heads keep the CPU run small.
-        # 300 tokens over all 8 heads, 4 layers, and a small stand-in prefill.
+        # 37 tokens: 3 blocks, the last one partial (5 of 16 slots), 5 free blocks that must stay
+        # untouched; 2 KV heads keep the CPU run small. 300 tokens over all 8 heads, 4 layers, a
+        # small stand-in prefill, 11 free blocks.
         return [
-            self.make_shape(37, world_size, kv_heads=2),
-            self.make_shape(300, world_size, layers=4, passes=1),
+            self.make_shape(37, world_size, kv_heads=2, free=5),
+            self.make_shape(300, world_size, layers=4, passes=1, free=11),
         ]
 
     def parse_shape(self, text: str, world_size: int) -> Shape:
@@ -183,7 +182,7 @@ class KvTransfer(Workload):
 
     def untouched(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
         """Bool mask of output elements that must still hold the harness's poison after a call
-        (the F free blocks). The proposed harness hook; see NOTES.md."""
+        (the F free blocks)."""
         return ~self.expected(shape, world_size, rank, seed, device)[1]
 
     def judge_strict(self, out: torch.Tensor, shape: Shape, world_size: int, rank: int, seed: int) -> str | None:
