@@ -12,32 +12,17 @@ l + 1. On CPU workers (gloo, no streams) the same steps run in order.
 import torch
 import torch.distributed as dist
 
+from commweave.workloads.kv_transfer.prefill import PrefillLayers
+
 # EVOLVE-BLOCK-START
 def setup(ctx, shape):
     L, KV, D, nb = shape["L"], shape["KV"], shape["D"], shape["blocks"]
     src = ctx.rank - ctx.rank % 2
-    state = {"src": src, "dst": src + 1, "is_src": ctx.rank == src, "passes": shape["P"],
+    state = {"src": src, "dst": src + 1, "is_src": ctx.rank == src,
+             "prefill": PrefillLayers(shape, ctx.device) if ctx.rank == src else None,
              "staging": torch.empty(L, 2, nb, 16, KV, D, dtype=torch.bfloat16, device=ctx.device),
-             "tail": torch.zeros(2, 1, 16, KV, D, dtype=torch.bfloat16, device=ctx.device),
              "comm": ctx.stream("kv_comm") if ctx.is_cuda else None}
-    if state["is_src"] and shape["P"]:
-        state["scratch"] = torch.empty(shape["S"], 4096, dtype=torch.bfloat16, device=ctx.device)
     return state
-
-
-def prefill_layer(state, inputs, cache, layer, passes):
-    """The stand-in prefill of one layer, then its K/V written into the paged cache."""
-    for _ in range(passes):
-        torch.matmul(inputs["x"], inputs["w"], out=state["scratch"])
-    kv, blocks = inputs["kv"], inputs["src_blocks"]
-    tokens, full = kv.shape[2], kv.shape[2] // 16
-    if full:
-        pages = kv[layer, :, :full * 16].reshape(2, full, 16, kv.shape[3], kv.shape[4])
-        cache[layer].index_copy_(1, blocks[:full], pages)
-    if tokens % 16:
-        tail = state["tail"]
-        tail[:, 0, :tokens % 16] = kv[layer, :, full * 16:]
-        cache[layer].index_copy_(1, blocks[full:], tail)
 
 
 def run(ctx, state, inputs, out):
@@ -47,7 +32,7 @@ def run(ctx, state, inputs, out):
         comm.wait_stream(main)  # the previous call's uses of `staging` and `out` are done
     for layer in range(out.shape[0]):
         if state["is_src"]:
-            prefill_layer(state, inputs, out, layer, state["passes"])
+            state["prefill"].layer(inputs, out, layer)
             if comm is None:
                 torch.index_select(out[layer], 1, inputs["src_blocks"], out=staging[layer])
                 dist.send(staging[layer], state["dst"], group=ctx.group)
