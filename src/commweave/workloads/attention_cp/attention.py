@@ -156,6 +156,21 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     acc_lse.copy_(merged_lse)
 
 
+def attend_segments(acc_out: torch.Tensor, acc_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_range: tuple[int, int], q_segments, causal: bool, scale: float, **attention) -> None:
+    """Merge the attention of q's segments ((global q_range, row in q) pairs) over keys k, v at
+    global positions k_range into the accumulators; `attention` goes to `attention_with_lse`."""
+    for q_range, q_row in q_segments:
+        kind = block_kind(q_range, k_range, causal)
+        if kind == "skip":
+            continue
+        if kind == "partial":
+            raise RuntimeError(f"block {q_range} x {k_range} is neither full, diagonal nor masked")
+        n = q_range[1] - q_range[0]
+        o, lse = attention_with_lse(q[q_row:q_row + n], k, v, causal=kind == "causal", scale=scale, **attention)
+        merge_into(acc_out[q_row:q_row + n], acc_lse[q_row:q_row + n], o, lse)
+
+
 # -- the reference --------------------------------------------------------------------------------
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       causal: bool, scale: float | None = None, q_block: int = 4096, k_block: int = 4096) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.launch import stream_wait_geq
-from commweave.workloads.attention_cp.attention import attention_with_lse, block_kind, merge_into, shard_ranges
+from commweave.workloads.attention_cp.attention import attend_segments, shard_ranges
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
@@ -242,16 +242,8 @@ def run(ctx, state, inputs, out):
 
 def _attend(state, q, k, v, k_range, q_segments):
     """Merge q's attention over keys k, v at global positions k_range into the accumulators."""
-    for q_range, q_row in q_segments:
-        kind = block_kind(q_range, k_range, state["causal"])
-        if kind == "skip":
-            continue
-        if kind == "partial":
-            raise RuntimeError(f"block {q_range} x {k_range} is neither full, diagonal nor masked")
-        n = q_range[1] - q_range[0]
-        o, lse = attention_with_lse(q[q_row:q_row + n], k, v, causal=kind == "causal", scale=state["scale"],
-                                    backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
-        merge_into(state["acc"][q_row:q_row + n], state["lse"][q_row:q_row + n], o, lse)
+    attend_segments(state["acc"], state["lse"], q, k, v, k_range, q_segments, state["causal"], state["scale"],
+                    backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
 
 
 def _call(ctx, state, inputs, out):

@@ -24,7 +24,8 @@ shards). The price: B0 and B1 per call, and a local copy of the shard into `own_
 
 import torch
 
-from commweave.workloads.attention_cp.attention import attention_with_lse, block_kind, merge_into, piece_plan
+from commweave.runtime.graphs import CallGraphs
+from commweave.workloads.attention_cp.attention import attend_segments, piece_plan
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
@@ -109,7 +110,7 @@ def setup(ctx, shape):
         "barrier": module.kernel("cw_kv_barrier"), "pull": module.kernel("cw_kv_pull"),
         "slots": [torch.empty(2, piece_rows, hkv, d, dtype=torch.bfloat16, device=ctx.device) for _ in range(min(slots, max(1, len(order))))],
         "ready": [torch.cuda.Event() for _ in order], "done": [torch.cuda.Event() for _ in order],
-        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": {}, "warm": False,
+        "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
         "acc": torch.empty(local, hq, d, dtype=torch.float32, device=ctx.device),
         "lse": torch.empty(local, hq, dtype=torch.float32, device=ctx.device),
         "rows": local, "row_units": row_bytes // 16, "order": order,
@@ -118,37 +119,16 @@ def setup(ctx, shape):
 
 
 def run(ctx, state, inputs, out):
-    if not CONFIG["graph"]:
+    if CONFIG["graph"]:
+        state["graphs"](lambda: _call(ctx, state, inputs, out), [*inputs.values(), out])
+    else:
         _call(ctx, state, inputs, out)
-        return
-    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (inputs["q"], inputs["k"], inputs["v"], out))
-    graphs = state["graphs"]
-    if not state["warm"]:
-        state["warm"] = True  # flash attention and cuBLAS create handles lazily; a capture forbids it
-        _call(ctx, state, inputs, out)
-        return
-    if key not in graphs:
-        if len(graphs) >= MAX_GRAPHS:
-            graphs.pop(next(iter(graphs)))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records; runs nothing
-            _call(ctx, state, inputs, out)
-        graphs[key] = graph
-    graphs[key].replay()
 
 
 def _attend(state, q, k, v, k_range, q_segments):
     """Merge q's attention over keys k, v at global positions k_range into the accumulators."""
-    for q_range, q_row in q_segments:
-        kind = block_kind(q_range, k_range, state["causal"])
-        if kind == "skip":
-            continue
-        if kind == "partial":
-            raise RuntimeError(f"block {q_range} x {k_range} is neither full, diagonal nor masked")
-        n = q_range[1] - q_range[0]
-        o, lse = attention_with_lse(q[q_row:q_row + n], k, v, causal=kind == "causal", scale=state["scale"],
-                                    backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
-        merge_into(state["acc"][q_row:q_row + n], state["lse"][q_row:q_row + n], o, lse)
+    attend_segments(state["acc"], state["lse"], q, k, v, k_range, q_segments, state["causal"], state["scale"],
+                    backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
 
 
 def _call(ctx, state, inputs, out):
