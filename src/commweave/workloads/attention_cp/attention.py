@@ -87,30 +87,32 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     """softmax(scale * q k^T [+ causal mask]) v for one block, and the rows' log-sum-exp.
 
     `causal`: the top-left aligned diagonal mask (query i sees keys j <= i), for square blocks.
-    Returns (out [Sq, Hq, D] in q's dtype for 'flash', float32 for 'torch'; lse [Sq, Hq] float32).
-    Rows with every key masked have lse -inf and out 0.
-    backend 'torch': float32 math (any device; memory Sq*Sk*Hq floats). 'flash': torch's flash
-    kernel (`aten._scaled_dot_product_flash_attention`, CUDA, fp16/bf16), KV heads repeated for
-    GQA unless `native_gqa` (the kernel reads KV head h // group itself, as torch's
-    `causal_lower_right` path relies on; not yet tried on the GPU machine). 'auto': flash on CUDA
-    half tensors, else torch.
+    Returns (out [Sq, Hq, D] in q's dtype for 'cudnn'/'flash', float32 for 'torch'; lse [Sq, Hq]
+    float32). Rows with every key masked have lse -inf and out 0.
+    backend 'torch': float32 math (any device; memory Sq*Sk*Hq floats). 'cudnn': cuDNN's fused
+    attention (`aten._scaled_dot_product_cudnn_attention`, what SDPA runs on Hopper: ~1.7x torch's
+    flash-attention-2 kernel there). 'flash': torch's flash kernel. For the GPU kernels KV heads are
+    repeated for GQA unless `native_gqa` (the kernel reads KV head h // group itself). 'auto':
+    cudnn on CUDA half tensors where cuDNN takes the head dim, else flash, else torch.
     """
     group = _check_qkv(q, k, v)
     if causal and q.shape[0] != k.shape[0]:
         raise ValueError(f"a causal block must be square, got {q.shape[0]} queries and {k.shape[0]} keys")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     if backend == "auto":
-        backend = "flash" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "torch"
-    if backend == "flash":
+        backend = pick_backend(q)
+    if backend in ("flash", "cudnn"):
         if group > 1 and not native_gqa:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1]  # [1, Hq, Sq, D] (a view of [1, Sq, Hq, D]), [1, Hq, Sq]
-        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, S, D] views
+        if backend == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, True, 0.0, causal, False, scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]  # [1, Hq, Sq, D] (a view of [1, Sq, Hq, D]), [1, Hq, Sq] (cuDNN: [.., 1])
+        return out[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0]).transpose(0, 1)
     if backend != "torch":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'flash', not {backend!r}")
+        raise ValueError(f"backend must be 'auto', 'torch', 'cudnn' or 'flash', not {backend!r}")
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     qg = q.float().reshape(sq, hkv, group, d)
@@ -123,6 +125,16 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     probs = torch.exp(scores - safe.unsqueeze(-1))
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float()).reshape(sq, hq, d)
     return out, lse.reshape(hq, sq).transpose(0, 1).contiguous()
+
+
+def pick_backend(q: torch.Tensor) -> str:
+    """'auto' resolved for queries like q: cuDNN where it runs (CUDA, fp16/bf16, head dim a
+    multiple of 8 up to 128), torch's flash kernel for other half-precision CUDA heads, else the
+    float32 torch math."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return "torch"
+    d = q.shape[-1]
+    return "cudnn" if torch.backends.cudnn.is_available() and d % 8 == 0 and d <= 128 else "flash"
 
 
 # -- merging partial results ----------------------------------------------------------------------
@@ -146,6 +158,24 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
     out = out_a.float() * (wa * inv).unsqueeze(-1) + out_b.float() * (wb * inv).unsqueeze(-1)
     return out, lse
+
+
+def merge_two(out: torch.Tensor, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+              lse_b: torch.Tensor) -> None:
+    """out <- `merge_partials` of (out_a, lse_a) and (out_b, lse_b), in out's dtype, in one pass.
+
+    On CUDA one Triton kernel reads both partials (any strides, last dim contiguous) and writes
+    out: a chain of torch element-wise ops would read and write [Sq, Hq, D] float32 tensors about
+    eight times, ~5 % of a 32k attention on 4 GPUs. Elsewhere the torch merge."""
+    if out.shape != out_a.shape or out.shape != out_b.shape or out.shape[:-1] != lse_a.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(f"cannot merge out {tuple(out_a.shape)}/lse {tuple(lse_a.shape)} and "
+                         f"out {tuple(out_b.shape)}/lse {tuple(lse_b.shape)} into {tuple(out.shape)}")
+    if not out.is_cuda or out.dim() != 3 or any(t.stride(-1) != 1 for t in (out, out_a, out_b)):
+        out.copy_(merge_partials(out_a, lse_a, out_b, lse_b)[0])
+        return
+    from commweave.workloads.attention_cp.merge_kernel import merge_two_cuda
+
+    merge_two_cuda(out, out_a, lse_a, out_b, lse_b)
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
