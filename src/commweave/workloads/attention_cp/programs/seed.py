@@ -45,7 +45,7 @@ CONFIG = dict(
     wait="kernel",  # "kernel": a 1-thread acquire spin; "stream": cuStreamWaitValue64
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
     backend="auto",  # block attention: "cudnn", "flash" (both return the LSE), "torch" (float32), "auto"
-    native_gqa=False,  # the attention kernel reads grouped KV heads itself (else K/V repeated per query head)
+    native_gqa=True,  # the kernel reads grouped KV heads itself (else K/V repeated per query head: ~4 % slower at 32/8)
 )
 MAX_GRAPHS = 32
 MAX_WORLD = 8

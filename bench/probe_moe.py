@@ -1,0 +1,93 @@
+"""One GPU, no communication: what the MoE layer's expert compute costs at the bench shapes'
+per-rank sizes (DeepSeek-V3: H 7168, I 2048, E/W local experts, balanced routing), so the seed's
+schedule can be judged against its compute floor.
+
+Times with CUDA events (median of --iters): `torch._grouped_mm` gate/up and down over all local
+experts at once, the same per source region (the seed's overlap schedule: W calls of 1/W of the
+rows), with the weights as the workload stores them ([E, 2I, H], transposed views) and
+pre-transposed contiguous ([E, H, 2I]); the SwiGLU element-wise part. Writes a results JSON.
+
+    python bench/probe_moe.py --out-dir bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from commweave.report.results import write_results
+
+H, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8
+CASES = [(4096, 2), (4096, 4), (128, 4)]  # (tokens per rank, world)
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _probe(tokens: int, world: int, iters: int) -> dict[str, float | str]:
+    local = EXPERTS // world
+    rows = tokens * TOP_K  # balanced: each rank's experts get T*K rows from all sources together
+    per_expert = torch.full((local,), rows // local, dtype=torch.int64, device="cuda")
+    per_expert[: rows % local] += 1
+    ends = per_expert.cumsum(0).to(torch.int32)
+    x = torch.randn(rows, H, device="cuda").bfloat16()
+    w13 = (torch.randn(local, 2 * INTER, H, device="cuda") / H**0.5).bfloat16()
+    w2 = (torch.randn(local, H, INTER, device="cuda") / INTER**0.5).bfloat16()
+    w13_t, w2_t = w13.transpose(-2, -1).contiguous(), w2.transpose(-2, -1).contiguous()
+    h = torch.randn(rows, INTER, device="cuda").bfloat16()
+    gu = torch.randn(rows, 2 * INTER, device="cuda").bfloat16()
+    flops = 6 * rows * H * INTER
+    row: dict[str, float | str] = {"case": f"T{tokens}-W{world}", "rows": rows, "local_experts": local, "flops": flops}
+    row["gate_up_view_us"] = _time(lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends), iters)
+    row["down_view_us"] = _time(lambda: torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends), iters)
+    row["gate_up_contig_us"] = _time(lambda: torch._grouped_mm(x, w13_t, offs=ends), iters)
+    row["down_contig_us"] = _time(lambda: torch._grouped_mm(h, w2_t, offs=ends), iters)
+    row["swiglu_us"] = _time(lambda: F.silu(gu[:, :INTER]) * gu[:, INTER:], iters)
+    # the overlap schedule: one pair of grouped GEMMs per source region of rows/world rows
+    part = rows // world
+    part_ends = (per_expert // world).cumsum(0).to(torch.int32)
+    xs, hs = x[:part], h[:part]
+
+    def per_source() -> None:
+        for _ in range(world):
+            torch._grouped_mm(xs, w13.transpose(-2, -1), offs=part_ends)
+            torch._grouped_mm(hs, w2.transpose(-2, -1), offs=part_ends)
+
+    row["per_source_gemms_us"] = _time(per_source, iters)
+    row["all_gemms_view_us"] = row["gate_up_view_us"] + row["down_view_us"]
+    row["tflops_all_view"] = flops / row["all_gemms_view_us"] / 1e6
+    row["weights_gb"] = (w13.numel() + w2.numel()) * 2 / 1e9
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    rows = [_probe(t, w, args.iters) for t, w in CASES]
+    path = write_results("probe-moe-experts-1gpu", {"note": "per-rank expert compute on one GPU, µs", "rows": rows},
+                         command=["python", "bench/probe_moe.py", *sys.argv[1:]], out_dir=args.out_dir)
+    for r in rows:
+        print(r["case"], " ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "case"))
+    print("results:", path)
+
+
+if __name__ == "__main__":
+    main()
