@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from commweave.cli import app
 from commweave.evaluate import Evaluator
 from commweave.evaluate.program import load_program
+from commweave.ops import EXPORT_PREFIX, export_info
 from commweave.runtime import WorkerPool
 from commweave.search import Budget, ProgramDB, SearchConfig
 from commweave.search.driver import evolve, run_meta, template_for
@@ -74,7 +75,8 @@ def test_report_and_export_commands(sim_run, tmp_path):
     result = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "best.py")])
     assert result.exit_code == 0, result.output
     text = (tmp_path / "best.py").read_text()
-    assert text == best.code and directives_of(text) is not None
+    assert [line for line in text.splitlines() if not line.startswith(EXPORT_PREFIX)] == best.code.splitlines()
+    assert directives_of(text) is not None and export_info(text)["workload"] == "gemm-allgather"
     assert "commweave bench gemm-allgather --gpus 4 --candidate" in said(result)
     assert "ops" in runner.invoke(app, ["export", "--help"]).output
     assert runner.invoke(app, ["export", str(tmp_path / "x.sqlite"), "--out", "y.py"]).exit_code != 0

@@ -282,9 +282,11 @@ def export(
     run: Path = typer.Argument(..., help="a run database written by `commweave evolve`"),
     out: Path = typer.Option(..., "--out", help="file to write the best program to"),
 ) -> None:
-    """Write a run's best program (a candidate program text, with its directive set in the first
-    line) to a file. Time it beside the baselines with `commweave bench WORKLOAD --candidate FILE`.
-    Loading it as a PyTorch op through the `ops` API is not built yet (a later issue)."""
+    """Write a run's best program to a file: the program text (its directive set in the first
+    line) plus a line naming its workload, so it loads as a PyTorch op with
+    `commweave.ops.load(FILE)`. Time it beside the baselines with
+    `commweave bench WORKLOAD --candidate FILE`."""
+    from commweave.ops.exported import export_text
     from commweave.search.db import ProgramDB
     from commweave.search.driver import run_meta
 
@@ -297,9 +299,12 @@ def export(
     if best is None:
         _fail(f"run {run} has no correct program to export")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(best.code)
+    out.write_text(export_text(best.code, meta["workload"], run=run.name, program_id=best.id,
+                               fitness=round(best.fitness, 4), baseline=best.timings.get("baseline"),
+                               shape=meta.get("shape"), gpus=meta.get("gpus")))
     console.print(f"program #{best.id} ({best.fitness:.2f}x over {best.timings.get('baseline')} on {meta.get('shape')}) "
-                  f"-> {out}. Time it: commweave bench {meta['workload']} --gpus {meta['gpus']} --candidate {out}",
+                  f"-> {out}. Time it: commweave bench {meta['workload']} --gpus {meta['gpus']} --candidate {out}; "
+                  f"use it from PyTorch: commweave.ops.load({str(out)!r})",
                   highlight=False)
 
 

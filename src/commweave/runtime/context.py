@@ -64,6 +64,45 @@ class RankContext:
         self._harness_dev_comm: DevComm | None = None
         self._peer_ptr_cache: dict[tuple[int, int], list[int]] = {}
 
+    @classmethod
+    def from_process_group(cls, device: torch.device | str | None = None) -> RankContext:
+        """This rank's context over torch.distributed's initialized default group (collective:
+        every rank calls it together). The worker pool builds its contexts this way, and so do
+        users' own distributed programs (`commweave.ops`).
+
+        `device` defaults to the current CUDA device when the group has NCCL for CUDA, else the
+        CPU. On CUDA it creates an NCCL communicator of our own (torch does not expose its raw
+        `ncclComm_t`, and the device API needs one): rank 0's unique id is broadcast over a new
+        gloo group, which also serves `barrier()`. On CPU there is no communicator.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                               "first (one process per GPU; NCCL on CUDA, gloo on CPU)")
+        backends = dict(pair.split(":", 1) for pair in dist.get_backend_config().split(",") if ":" in pair)
+        if device is None:
+            use_cuda = torch.cuda.is_available() and backends.get("cuda") == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        want = {"cuda": "nccl", "cpu": "gloo"}.get(device.type)
+        if want is None:
+            raise ValueError(f"commweave runs on CUDA GPUs or the CPU, not {device}")
+        if backends.get(device.type) != want:
+            raise ValueError(f"{device.type} tensors need the default process group to use {want} for {device.type} "
+                             f"(its backends are {dist.get_backend_config()!r})")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        cpu_group = dist.new_group(backend="gloo")
+        comm = None
+        if device.type == "cuda":
+            from commweave.runtime import nccl
+
+            uid = [nccl.unique_id() if rank == 0 else None]
+            dist.broadcast_object_list(uid, src=0, group=cpu_group)
+            with torch.cuda.device(device):  # ncclCommInitRank binds the current device
+                comm = nccl.Communicator.init_rank(uid[0], rank, world_size)
+        return cls(rank, world_size, device, comm, cpu_group)
+
     # -- basics ---------------------------------------------------------------------------------
     @property
     def is_cuda(self) -> bool:

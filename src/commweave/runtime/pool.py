@@ -122,6 +122,7 @@ def resolve_function(path: str) -> Callable[..., Any]:
 
 
 def _build_context(rank: int, world_size: int, device_kind: str, init_file: str):
+    """Start this worker's process group, then its context (RankContext.from_process_group)."""
     import torch
     import torch.distributed as dist
 
@@ -138,15 +139,7 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
         torch.set_num_threads(1)
         device = torch.device("cpu")
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    cpu_group = dist.new_group(backend="gloo")
-    comm = None
-    if device_kind == "cuda":
-        from commweave.runtime import nccl
-
-        uid = [nccl.unique_id() if rank == 0 else None]
-        dist.broadcast_object_list(uid, src=0, group=cpu_group)
-        comm = nccl.Communicator.init_rank(uid[0], rank, world_size)
-    return RankContext(rank, world_size, device, comm, cpu_group)
+    return RankContext.from_process_group(device)
 
 
 def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, env: dict[str, str],

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,3 +124,39 @@ class Workload(ABC):
     def tolerance(self) -> float:
         """Largest accepted relative Frobenius error against the reference."""
         return {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}.get(self.dtype, 1e-2)
+
+    # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
+                          out: torch.Tensor | None = None, **options: Any) -> Shape:
+        """The shape of a call on this rank's tensors (named as in `make_inputs`), so a user's
+        tensors can be run by the workload's programs (`commweave.ops`). `out` is passed for a
+        workload whose output the caller owns (kv-transfer's paged cache); `options` carry what
+        the tensors cannot say (attention's `causal`). A clear ValueError names a tensor of the
+        wrong shape, dtype or device; the same shape must come out on every rank (setup is
+        collective)."""
+        raise NotImplementedError(f"workload {self.name!r} cannot derive a shape from tensors, so it has no op yet "
+                                  "(implement shape_from_inputs in its Workload)")
+
+
+def input_names(inputs: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """A ValueError naming missing or unknown inputs (a user's tensors, by `make_inputs` names)."""
+    missing = [n for n in required if inputs.get(n) is None]
+    unknown = sorted(set(inputs) - set(required) - set(optional))
+    if missing:
+        raise ValueError(f"missing input {', '.join(missing)} (expects {', '.join(required + optional)})")
+    if unknown:
+        raise ValueError(f"unexpected input {', '.join(unknown)} (expects {', '.join(required + optional)})")
+
+
+def checked_tensor(name: str, value: Any, dims: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """`value` if it is a tensor with `dims` dimensions, `dtype` and (when given) on `device`; else
+    a ValueError that names the input and what is wrong."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
+    if value.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(value.shape)}")
+    if value.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {value.dtype}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device}, but the other tensors are on {device}")
+    return value

@@ -11,11 +11,12 @@ order), so every rank attends to the same number of (query, key) pairs.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
 from commweave.workloads.attention_cp.attention import chunked_attention, shard_positions, shard_ranges, visible_pairs
-from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
+from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 
 SEQ_LENGTHS = (16384, 32768, 65536, 131072)
 HEADS = ((32, 8), (32, 32))  # (query heads, KV heads): Llama-style GQA, and plain multi-head
@@ -139,3 +140,23 @@ class AttentionCP(Workload):
     def ideal_flops(self, shape: Shape, world_size: int, rank: int) -> float:
         """FLOPs of `rank`'s attention with all KV present (equal on every rank when balanced)."""
         return 4.0 * visible_pairs(shape["S"], world_size, rank, bool(shape["CAUSAL"])) * shape["HQ"] * shape["D"]
+
+    # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
+                          out: torch.Tensor | None = None, causal: bool = False) -> Shape:
+        """q [S/W, Hq, D], k and v [S/W, Hkv, D], bf16, one device, sequence-major: this rank's
+        tokens (causal: zigzag chunks r and 2W-1-r, in that order; full: block r)."""
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be True or False, not {causal!r}")
+        input_names(inputs, ("q", "k", "v"))
+        q = checked_tensor("q", inputs["q"], 3, self.dtype)
+        k = checked_tensor("k", inputs["k"], 3, self.dtype, q.device)
+        v = checked_tensor("v", inputs["v"], 3, self.dtype, q.device)
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape [S/W, Hkv, D]")
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"q holds {q.shape[0]} tokens but k and v {k.shape[0]}: a rank holds the queries, keys and "
+                             "values of the same tokens")
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"q has head dim {q.shape[2]} but k and v {k.shape[2]}")
+        return self.make_shape(q.shape[0] * world_size, q.shape[1], k.shape[1], q.shape[2], causal, world_size)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 import torch
 
-from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
+from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
 LLAMA70B_N_LOCAL = 3584  # Llama-3-70B MLP up-projection (28672 wide) split over 8, per rank
@@ -97,3 +98,14 @@ class GemmAllGather(Workload):
         from commweave.workloads.gemm_allgather.template import make_template
 
         return make_template(self)
+
+    # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
+                          out: torch.Tensor | None = None) -> Shape:
+        """a [M/W, K] (this rank's rows of A) and b [K, N/W] (its columns of B), bf16, one device."""
+        input_names(inputs, ("a", "b"))
+        a = checked_tensor("a", inputs["a"], 2, self.dtype)
+        b = checked_tensor("b", inputs["b"], 2, self.dtype, a.device)
+        if a.shape[1] != b.shape[0]:
+            raise ValueError(f"a [M/W, K] has K={a.shape[1]} columns, but b [K, N/W] has {b.shape[0]} rows")
+        return self.make_shape(a.shape[0] * world_size, b.shape[1] * world_size, a.shape[1], world_size)

@@ -34,10 +34,11 @@ Its result is not part of the output (it cannot be checked bit-exactly), but its
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
-from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
+from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 
 LAYERS = 32  # Llama-3-8B
 KV_HEADS = 8
@@ -222,3 +223,46 @@ class KvTransfer(Workload):
         from commweave.workloads.kv_transfer.template import make_template
 
         return make_template(self)
+
+    # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
+                          out: torch.Tensor | None = None) -> Shape:
+        """Both ranks of a pair: src_blocks and dst_blocks, int64 [nb] (the same tables on both),
+        and `out`, this rank's paged cache [L, 2, NB, 16, KV, 128] bf16, written in place (the
+        same geometry on both ranks). The source (even rank) also gives kv [L, 2, S, KV, 128] bf16
+        with ceil(S/16) = nb; the destination gives none. The shape's S is the sequence rounded up
+        to whole pages, which both ranks know (programs read the token count from kv), with no
+        stand-in prefill (P=0) and the cache's other blocks as free blocks."""
+        _, _, is_src = pair_of(rank)
+        role = f"rank {rank} is the {'prefill source' if is_src else 'decode destination'} of its pair"
+        if out is None:
+            raise ValueError("kv-transfer writes into the caller's paged cache [L, 2, NB, 16, KV, D]: pass it")
+        if is_src and inputs.get("kv") is None:
+            raise ValueError(f"{role}: it needs kv [L, 2, S, KV, D], the new K/V to write into its pages and send")
+        if not is_src and inputs.get("kv") is not None:
+            raise ValueError(f"{role}: it receives pages and takes no kv (pass None)")
+        input_names(inputs, ("src_blocks", "dst_blocks"), ("kv",))
+        cache = checked_tensor("cache", out, 6, self.dtype)
+        layers, two, total, block, kv_heads, head_dim = cache.shape
+        if two != 2 or block != BLOCK or head_dim != HEAD_DIM:
+            raise ValueError(f"cache must be [L, 2, NB, {BLOCK}, KV, {HEAD_DIM}] (vLLM's per-layer paged layout stacked "
+                             f"over layers, {BLOCK}-token pages, head dim {HEAD_DIM}), got {tuple(cache.shape)}")
+        src_blocks = checked_tensor("src_blocks", inputs["src_blocks"], 1, torch.int64, cache.device)
+        dst_blocks = checked_tensor("dst_blocks", inputs["dst_blocks"], 1, torch.int64, cache.device)
+        nb = src_blocks.numel()
+        if dst_blocks.numel() != nb:
+            raise ValueError(f"src_blocks names {nb} pages but dst_blocks {dst_blocks.numel()}: one destination page per source page")
+        if nb == 0:
+            raise ValueError("the block tables are empty: there is nothing to transfer")
+        if nb > total:
+            raise ValueError(f"the block tables name {nb} pages, but the cache has only {total} blocks")
+        if is_src:
+            kv = checked_tensor("kv", inputs["kv"], 5, self.dtype, cache.device)
+            tokens = kv.shape[2]
+            if tuple(kv.shape) != (layers, 2, tokens, kv_heads, head_dim):
+                raise ValueError(f"kv must be [L, 2, S, KV, D] = [{layers}, 2, S, {kv_heads}, {head_dim}] (the cache's "
+                                 f"layers, KV heads and head dim), got {tuple(kv.shape)}")
+            if -(-tokens // BLOCK) != nb:
+                raise ValueError(f"kv holds {tokens} tokens, which fill {-(-tokens // BLOCK)} pages of {BLOCK}, but the "
+                                 f"block tables name {nb}")
+        return self.make_shape(nb * BLOCK, world_size, kv_heads=kv_heads, free=total - nb, layers=layers)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
-from commweave.workloads.base import Cost, Shape, Workload, seeded_generator
+from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 from commweave.workloads.moe import routing
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
@@ -168,3 +169,26 @@ class MoELayer(Workload):
         from commweave.workloads.moe.template import make_template
 
         return make_template(self)
+
+    # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
+                          out: torch.Tensor | None = None) -> Shape:
+        """x [T, H] bf16, topk_idx [T, k] int64 (global expert ids), topk_weights [T, k] float32,
+        w13 [E/W, 2I, H] and w2 [E/W, H, I] bf16 (this rank's experts), one device; T equal on
+        every rank. The routing is given, so the shape claims no group limit (g1, tg1)."""
+        input_names(inputs, ("x", "topk_idx", "topk_weights", "w13", "w2"))
+        x = checked_tensor("x", inputs["x"], 2, self.dtype)
+        idx = checked_tensor("topk_idx", inputs["topk_idx"], 2, torch.int64, x.device)
+        weights = checked_tensor("topk_weights", inputs["topk_weights"], 2, torch.float32, x.device)
+        w13 = checked_tensor("w13", inputs["w13"], 3, self.dtype, x.device)
+        w2 = checked_tensor("w2", inputs["w2"], 3, self.dtype, x.device)
+        tokens, hidden = x.shape
+        if idx.shape[0] != tokens or weights.shape != idx.shape:
+            raise ValueError(f"topk_idx {tuple(idx.shape)} and topk_weights {tuple(weights.shape)} must both be "
+                             f"[T, k] with T = {tokens} (x's rows)")
+        per_rank, two_i, w13_hidden = w13.shape
+        if two_i % 2 or w13_hidden != hidden:
+            raise ValueError(f"w13 must be [E/W, 2I, H] (gate rows, then up rows) with H = {hidden}, got {tuple(w13.shape)}")
+        if tuple(w2.shape) != (per_rank, hidden, two_i // 2):
+            raise ValueError(f"w2 must be [E/W, H, I] = {(per_rank, hidden, two_i // 2)} (from w13 and x), got {tuple(w2.shape)}")
+        return self.make_shape(world_size, tokens, hidden, two_i // 2, per_rank * world_size, idx.shape[1], 1, 1)
