@@ -42,3 +42,18 @@ def test_evaluate_times_the_candidate_beside_the_baselines(evaluator: Evaluator)
     assert result.baselines["host"].verdict.ok and result.baselines["allgather"].verdict.ok
     assert result.baselines["torch_cp"].verdict.failure == FailureClass.UNAVAILABLE
     assert 0 < result.floor_us < result.candidate.median_us
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_ideal_yardstick_is_timed_and_is_not_a_correct_program(evaluator: Evaluator, causal: bool) -> None:
+    """The 'ideal' (all-gather's compute without its all-gather) runs, gets times beside a real
+    program, and its output is wrong: it must never pass for a program."""
+    text = WL.yardstick_text("ideal")
+    assert "communicate=False" in text and "communicate=True" in WL.program_text("allgather")
+    shape = WL.parse_shape(f"s256-q4kv2-d32-{'causal' if causal else 'full'}", 2)
+    bench = evaluator.benchmark({"allgather": WL.program_text("allgather"), "ideal": text}, shape)
+    assert bench.programs["allgather"].verdict.ok
+    ideal = bench.programs["ideal"]
+    assert ideal.median_us > 0 and ideal.verdict.failure == FailureClass.WRONG_RESULT, ideal.verdict
+    with pytest.raises(KeyError, match="no yardstick 'fastest'"):
+        WL.yardstick_text("fastest")

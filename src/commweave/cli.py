@@ -134,6 +134,7 @@ def bench(
         _fail(f"--candidate {candidate}: no such file")
     ours_text = candidate.read_text() if candidate is not None else wl.program_text(wl.seed)
     programs = {name: wl.program_text(name) for name in wl.baselines} | {"ours": ours_text}
+    yardsticks = {name: wl.yardstick_text(name) for name in wl.yardsticks}  # timed, never checked
     _require_gpus(gpus, f"bench {workload} --gpus {gpus}")
 
     rows: list[dict[str, Any]] = []
@@ -152,7 +153,7 @@ def bench(
                             for name, text in programs.items()}
                 progress.update(task, advance=1, description=f"{shape}: timing")
                 runnable = {n: t for n, t in programs.items() if verdicts[n].ok}
-                result = evaluator.benchmark(runnable, shape) if runnable else None
+                result = evaluator.benchmark(runnable | yardsticks, shape) if runnable else None
                 progress.advance(task)
                 rows.append({"shape": shape.label, "verdicts": {n: asdict(v) for n, v in verdicts.items()},
                              "bench": asdict(result) if result else None, "_timings": result.programs if result else {},
@@ -164,8 +165,12 @@ def bench(
     table.add_column("shape")
     for name in programs:
         table.add_column(name, justify="right")
+    for name in yardsticks:
+        table.add_column(f"{name} (yardstick)", justify="right")
     for name in wl.baselines:
         table.add_column(f"ours vs {name}", justify="right")
+    for name in yardsticks:
+        table.add_column(f"{name}/ours", justify="right")
     table.add_column("floor", justify="right")
     table.add_column("floor/ours", justify="right")
     for row in rows:
@@ -173,15 +178,24 @@ def bench(
         cells = [_cell(timings.get(n)) if verdicts[n].ok else f"[red]{verdicts[n].failure}[/]" for n in programs]
         speedups = [_ratio(timings.get(b), timings.get("ours")) for b in wl.baselines]
         ours = timings.get("ours")
+        yard_us = {n: timings[n].median_us if n in timings and timings[n].median_us else None for n in yardsticks}
+        yard_cells = [f"{t:,.1f}" if t else "-" for t in yard_us.values()]
+        fractions = {n: t / ours.median_us if t and ours is not None and ours.verdict.ok and ours.median_us else None
+                     for n, t in yard_us.items()}
+        row["yardsticks"] = {n: {"median_us": yard_us[n], "of_ours": fractions[n]} for n in yardsticks}
         efficiency = row["floor_us"] / ours.median_us if ours is not None and ours.verdict.ok and ours.median_us else None
         row["speedup"] = dict(zip(wl.baselines, speedups))
-        table.add_row(row["shape"], *cells, *[f"{x:.2f}x" if x else "-" for x in speedups],
+        table.add_row(row["shape"], *cells, *yard_cells, *[f"{x:.2f}x" if x else "-" for x in speedups],
+                      *[f"{x:.3f}" if x else "-" for x in fractions.values()],
                       f"{row['floor_us']:,.1f}" if row["floor_us"] else "-", f"{efficiency:.2f}" if efficiency else "-")
     payload = {"workload": workload, "gpus": gpus, "iters": iters, "warmup": warmup, "seeds": seeds,
-               "rates": asdict(rates), "programs": list(programs), "candidate": str(candidate) if candidate else None,
+               "rates": asdict(rates), "programs": list(programs), "yardsticks": {n: list(wl.yardsticks[n]) for n in yardsticks},
+               "candidate": str(candidate) if candidate else None,
                "rows": rows}
     path = write_results(f"bench-{workload}-{gpus}gpu", payload, out_dir=out_dir)
     console.print(table)
+    if yardsticks:
+        console.print(f"yardsticks ({', '.join(yardsticks)}): timed in the same job, not checked (they skip communication)")
     for row in rows:
         for name, verdict in row["verdicts"].items():
             if not verdict["ok"]:

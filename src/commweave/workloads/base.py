@@ -62,6 +62,14 @@ class Workload(ABC):
     baselines: tuple[str, ...] = ("host",)
     #: the device-initiated program the fast path produces
     seed: str = "seed"
+    #: on CUDA pools the harness allocates each rank's output in a symmetric window (same shape and
+    #: dtype as `make_output`), so device programs can store straight into peers' outputs
+    #: (`ctx.window(out)`); CPU pools still use `make_output`
+    symmetric_output: bool = False
+    #: yardsticks: name -> (program, CONFIG overrides) timed beside the programs as a physical
+    #: reference, e.g. the compute alone with every input already present. Not correct programs
+    #: (they skip the communication), so they are never checked, only timed (`bench`)
+    yardsticks: dict[str, tuple[str, dict[str, Any]]] = {}
 
     @property
     def programs_dir(self) -> Path:
@@ -77,6 +85,15 @@ class Workload(ABC):
         if not path.exists():
             raise KeyError(f"workload {self.name!r} has no program {name!r} (has: {', '.join(self.program_names())})")
         return path.read_text()
+
+    def yardstick_text(self, name: str) -> str:
+        """The program text of yardstick `name`: its program with the yardstick's CONFIG."""
+        from commweave.evaluate.program import with_config
+
+        if name not in self.yardsticks:
+            raise KeyError(f"workload {self.name!r} has no yardstick {name!r} (has: {', '.join(self.yardsticks) or 'none'})")
+        program, config = self.yardsticks[name]
+        return with_config(self.program_text(program), **config)
 
     def check_world_size(self, world_size: int) -> None:
         if world_size not in self.world_sizes:

@@ -5,6 +5,10 @@ over the gathered K, V. Causal (zigzag shards): the gathered chunks are put in s
 and each of this rank's two query chunks at [a, b) attends to keys [0, b) with a lower-right
 aligned causal mask (`causal_lower_right` on GPUs, which torch runs as one flash kernel;
 a materialized boolean mask on CPU). Memory: the whole K and V on every rank.
+
+CONFIG communicate=False skips the all-gather and attends over whatever the gathered buffer holds:
+the workload's "ideal" yardstick (this rank's attention with every key already present), timed
+beside the programs but wrong by construction.
 """
 
 import torch
@@ -14,6 +18,11 @@ import torch.nn.functional as F
 from commweave.workloads.attention_cp.attention import shard_ranges
 
 # EVOLVE-BLOCK-START
+CONFIG = dict(
+    communicate=True,  # False: no all-gather (the "ideal" yardstick; the output is wrong)
+)
+
+
 def setup(ctx, shape):
     world, causal = ctx.world_size, bool(shape["CAUSAL"])
     local, hkv, d = shape["S"] // world, shape["HKV"], shape["D"]
@@ -26,6 +35,10 @@ def setup(ctx, shape):
     }
     if causal:
         state["kv_seq"] = torch.empty(2, shape["S"], hkv, d, dtype=torch.bfloat16, device=ctx.device)
+    if not CONFIG["communicate"]:  # keys like the inputs' (N(0, 1)), so the attention's work is the same
+        for name in ("kv_all", "kv_seq"):
+            if name in state:
+                state[name].normal_()
     return state
 
 
@@ -40,10 +53,11 @@ def _sdpa(q, k, v, scale, mask=None):
 def run(ctx, state, inputs, out):
     world = ctx.world_size
     kv_local, kv_all = state["kv_local"], state["kv_all"]
-    kv_local[0].copy_(inputs["k"])
-    kv_local[1].copy_(inputs["v"])
-    # the output as W copies of the input's shape stacked on dim 0 (gloo checks that)
-    state["gather"](kv_all.view(-1, *kv_all.shape[2:]), kv_local, group=ctx.group)
+    if CONFIG["communicate"]:
+        kv_local[0].copy_(inputs["k"])
+        kv_local[1].copy_(inputs["v"])
+        # the output as W copies of the input's shape stacked on dim 0 (gloo checks that)
+        state["gather"](kv_all.view(-1, *kv_all.shape[2:]), kv_local, group=ctx.group)
     q = inputs["q"]
     if not state["causal"]:
         s = kv_all.shape[0] * kv_all.shape[2]
@@ -53,7 +67,7 @@ def run(ctx, state, inputs, out):
         return
     kv_seq = state["kv_seq"]
     half = kv_all.shape[2] // 2
-    for r in range(world):  # rank r holds chunks r and 2W-1-r
+    for r in range(world if CONFIG["communicate"] else 0):  # rank r holds chunks r and 2W-1-r
         kv_seq[:, r * half:(r + 1) * half] = kv_all[r, :, :half]
         kv_seq[:, (2 * world - 1 - r) * half:(2 * world - r) * half] = kv_all[r, :, half:]
     row = 0
