@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 
 from commweave.evaluate.checks import judge_output, poison_
-from commweave.evaluate.program import load_program
+from commweave.evaluate.jobs import harness_output
+from commweave.evaluate.program import load_program, with_config
 from commweave.workloads.kv_transfer.workload import KvTransfer
 
 
-def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int = 2) -> dict:
-    """Run a kv-transfer program `calls` times on fresh inputs (a new seed each call, one state):
-    the strict judgement (bit-exact pages, poison kept elsewhere), the harness's judgement, and
-    whether the inputs were left as they were."""
+def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int = 2, config: dict | None = None) -> dict:
+    """Run a kv-transfer program (CONFIG knobs set from `config`) `calls` times on fresh inputs (a
+    new seed each call, one state): the strict judgement (bit-exact pages, poison kept elsewhere),
+    the harness's judgement, and whether the inputs were left as they were."""
     workload = KvTransfer()
     shape = workload.parse_shape(shape_text, ctx.world_size)
-    module = load_program(workload.program_text(program), program)
+    text = workload.program_text(program)
+    module = load_program(with_config(text, **config) if config else text, program)
     reason = module.available(ctx) if hasattr(module, "available") else None
     if reason:
         raise RuntimeError(f"{program} is not available here: {reason}")
@@ -26,7 +28,7 @@ def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int 
     for call in range(calls):
         inputs = workload.make_inputs(shape, ctx.world_size, ctx.rank, seed + call, ctx.device)
         pristine = {k: v.clone() for k, v in inputs.items()}
-        out = poison_(workload.make_output(shape, ctx.world_size, ctx.rank, ctx.device))
+        out = poison_(harness_output(ctx, workload, shape))  # symmetric on GPUs, as the evaluator makes it
         module.run(ctx, state, dict(inputs), out)
         ctx.synchronize()
         strict = workload.judge_strict(out, shape, ctx.world_size, ctx.rank, seed + call)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from commweave.evaluate.jobs import harness_output
 from commweave.evaluate.program import load_program, with_config
 from commweave.workloads import get_workload
 
@@ -22,7 +23,7 @@ def run_program_check(ctx, workload: str, program: str, shape_text: str, seed: i
     reason = module.available(ctx) if hasattr(module, "available") else None
     if reason:
         raise RuntimeError(f"{program} is not available here: {reason}")
-    out = wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device)
+    out = harness_output(ctx, wl, shape)  # as the evaluator makes it (symmetric where the workload asks)
     state = module.setup(ctx, shape)
     worst, intact = 0.0, True
     for call in range(calls):

@@ -269,3 +269,42 @@ def test_judge_output_with_an_untouched_mask():
     assert "not written: 1 of 6" in judge_output(missing, ref, 0.0, untouched).message
     with pytest.raises(ValueError, match="mask shape"):
         judge_output(out, ref, 0.0, untouched[:4])
+
+
+# -- the harness's output buffer --------------------------------------------------------------------
+class _FakeContext:
+    """What harness_output uses of a RankContext; `symmetric` hands out CPU storage and records calls."""
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda, self.rank, self.world_size, self.device = is_cuda, 1, 2, torch.device("cpu")
+        self.calls: list[tuple] = []
+
+    def symmetric(self, shape, dtype, zero=True):
+        self.calls.append((tuple(shape), dtype, zero))
+        return torch.zeros(shape, dtype=dtype)
+
+
+class _SymmetricToy(ToyGatherMatmul):
+    symmetric_output = True
+
+
+def test_harness_output_is_symmetric_only_when_asked_on_cuda(monkeypatch):
+    from commweave.evaluate import jobs
+
+    shape = ToyGatherMatmul().make_shape(3, 5, 7)
+    plain = _FakeContext(is_cuda=True)
+    out = jobs.harness_output(plain, ToyGatherMatmul(), shape)  # the default: make_output
+    assert not plain.calls and out.shape == (6, 7) and out.dtype == torch.float32
+    cpu = _FakeContext(is_cuda=False)
+    assert jobs.harness_output(cpu, _SymmetricToy(), shape).shape == (6, 7) and not cpu.calls
+
+    # On CUDA: one window of the largest rank's byte count (a peer's output is bigger here), viewed
+    # as make_output's shape and dtype, not zeroed (the harness poisons it).
+    agreed = []
+    monkeypatch.setattr(jobs, "_harness_group", lambda: None)
+    monkeypatch.setattr(jobs.dist, "all_reduce", lambda t, op=None, group=None: (agreed.append(int(t)), t.fill_(1000)))
+    gpu = _FakeContext(is_cuda=True)
+    out = jobs.harness_output(gpu, _SymmetricToy(), shape)
+    assert agreed == [6 * 7 * 4] and gpu.calls == [((1000,), torch.uint8, False)]
+    assert out.shape == (6, 7) and out.dtype == torch.float32 and out.is_contiguous()
+    assert ToyGatherMatmul.symmetric_output is False

@@ -13,7 +13,7 @@ import torch
 
 from cuda_host import nvcc_host_build, run_host_check, toolchain_or_skip
 from commweave.evaluate.checks import poison_
-from commweave.evaluate.program import parse_program, with_config
+from commweave.evaluate.program import load_program, parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.workloads.kv_transfer.workload import KvTransfer, pair_of
@@ -175,6 +175,11 @@ def test_judge_strict(wl: KvTransfer) -> None:
 
 
 # -- programs -------------------------------------------------------------------------------------
+def seed_source(wl: KvTransfer, **config) -> str:
+    """The CUDA the seed compiles for CONFIG changed by `config` (its compile-time knobs defined)."""
+    return load_program(with_config(wl.program_text("seed"), **config), "seed").cuda_source()
+
+
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_program_parses(wl: KvTransfer, name: str) -> None:
     parsed = parse_program(wl.program_text(name))
@@ -183,18 +188,59 @@ def test_program_parses(wl: KvTransfer, name: str) -> None:
 
 
 def test_seed_knobs(wl: KvTransfer) -> None:
-    text = with_config(wl.program_text("seed"), ctas=32, layers_per_launch=4)
-    assert "ctas=32" in text and "layers_per_launch=4" in text
-    parse_program(text)
+    text = with_config(wl.program_text("seed"), ctas=32, prefill_ctas=8, unroll=2, layers_per_launch=4)
+    assert "ctas=32" in text and "prefill_ctas=8" in text and "layers_per_launch=4" in text
+    seed = load_program(text, "seed")
+    assert seed.push_ctas(wl.parse_shape("S2048", 2)) == 32 and seed.push_ctas(wl.parse_shape("S2048-P13", 2)) == 8
+    bad = {
+        "threads": (100, "multiple of 32"), "unroll": (0, "unroll"), "layers_per_launch": (0, "layers_per_launch"),
+        "ctas": (2000, "CONFIG\\['ctas'\\] must be an int in \\[1, 1024\\]"),
+    }
+    for knob, (value, message) in bad.items():
+        broken = load_program(with_config(text, **{knob: value}), "seed")
+        with pytest.raises(ValueError, match=message):
+            broken._check_config(wl.parse_shape("S64", 2))
+
+
+def test_seed_needs_a_symmetric_cache(wl: KvTransfer) -> None:
+    """The seed stores into the destination's `out` through its window: an ordinary tensor is a
+    clear error before anything is launched (so no rank is left waiting in a barrier)."""
+    from types import SimpleNamespace
+
+    seed = load_program(wl.program_text("seed"), "seed")
+
+    class Windows:
+        def __init__(self, offset: int | None):
+            self.offset = offset
+
+        def window(self, tensor: torch.Tensor):
+            if self.offset is None:
+                raise ValueError("tensor is not in a symmetric window: allocate it with ctx.symmetric()")
+            return SimpleNamespace(offset=self.offset)
+
+    out = wl.make_output(wl.parse_shape("S37-KV2", 2), 2, 1, CPU)
+    with pytest.raises(ValueError, match="straight into the destination's cache through its symmetric window"):
+        seed.out_window(Windows(None), out)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        seed.out_window(Windows(0), out.float())
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        seed.out_window(Windows(0), out.transpose(0, 1))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        seed.out_window(Windows(8), out)
+    assert seed.out_window(Windows(4096), out).offset == 4096
 
 
 def test_seed_cuda_compiles(wl: KvTransfer) -> None:
+    """The seed's CUDA as it compiles it (compile-time knobs defined), without a stack frame at its
+    defaults; the template's largest threads and unroll still build."""
     toolchain_or_skip()
-    artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
+    artifact = compile_cubin(seed_source(wl))
     assert artifact.path.exists()
     for kernel in ("kv_push", "kv_land"):
         assert f"'{kernel}'" in artifact.log
     assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
+    assert "#define KV_UNROLL 8\n#define KV_MAX_THREADS 1024\n" in seed_source(wl, threads=1024, unroll=8)
+    assert compile_cubin(seed_source(wl, threads=1024, unroll=8)).path.exists()
 
 
 def test_seed_launches_match_kernel_signatures(wl: KvTransfer, tmp_path) -> None:
@@ -218,9 +264,11 @@ def test_seed_launches_match_kernel_signatures(wl: KvTransfer, tmp_path) -> None
     assert launches == params
 
 
-# The push kernel's page copy compiled for the host: for tokens that fill or do not fill the last
-# block, several head counts, free blocks and thread splits, every page of every layer must land
-# in both caches at its table's block, zero-padded past S, and nothing else may be touched.
+# The push kernel's schedule and page copy compiled for the host (kv_plan, kv_cta_loop and
+# kv_push_page, exactly as the kernel calls them): for tokens that fill or do not fill the last
+# block, several head counts, free blocks, thread counts, CTA counts and layers per launch, every
+# page of every layer lands once in both caches at its table's block, zero-padded past S, nothing
+# else is touched, every CTA signals every layer exactly once, and only after its last page of it.
 PAGE_CHECK_MAIN = r"""
 #include <cstdio>
 #include <vector>
@@ -230,17 +278,29 @@ static unsigned long long lcg(unsigned long long& s) { s = s * 63641362238467930
 
 int main() {
   int cases = 0, bad = 0;
+  // pages per step: a 1024-thread CTA copies two 2048-vector pages at once, a 512-thread one one page;
+  // 256-vector pages (one KV head) go 8 at a time; never fewer than a warp per page
+  if (kv_plan(128, 0, 32, 2048, 1024, 4).pps != 2 || kv_plan(128, 0, 32, 2048, 512, 4).pps != 1 ||
+      kv_plan(128, 0, 32, 256, 512, 4).pps != 8 || kv_plan(128, 0, 32, 256, 64, 16).pps != 2 ||
+      kv_plan(3, 2, 5, 2048, 7, 4).pps != 1 || kv_plan(3, 2, 5, 2048, 512, 4).pages != 18) {
+    printf("kv_plan is off\n");
+    bad++;
+  }
   const long long tokens_list[] = {1, 15, 16, 17, 37, 64};
-  const long long heads_list[] = {1, 2, 8};
+  const int heads_list[] = {1, 2, 8};
   const long long free_list[] = {0, 3};
-  const long long thread_counts[] = {1, 7, 64, 512};
+  const int thread_counts[] = {1, 7, 64, 96, 512, 1024};
+  const long long cta_counts[] = {1, 3, 8};
+  const int per_launch_list[] = {1, 2, 3};
   const int layers = 3;
   unsigned long long seed = 12345;
   for (long long tokens : tokens_list)
-  for (long long heads : heads_list)
+  for (int heads : heads_list)
   for (long long free_blocks : free_list)
-  for (long long nthreads : thread_counts) {
-    const long long token_units = heads * 128 * 2 / 16, page_units = 16 * token_units;
+  for (int nthreads : thread_counts)
+  for (long long ctas : cta_counts)
+  for (int per_launch : per_launch_list) {
+    const int token_units = heads * 128 * 2 / 16, page_units = 16 * token_units;
     const long long nb = (tokens + 15) / 16, total = nb + free_blocks;
     std::vector<long long> src(total), dst(total);
     for (long long i = 0; i < total; i++) src[i] = dst[i] = i;
@@ -248,17 +308,44 @@ int main() {
     std::vector<uint4> kv((size_t)layers * 2 * tokens * token_units);
     for (size_t u = 0; u < kv.size(); u++) kv[u] = make_uint4((unsigned)u + 1, (unsigned)(u * 7), 3u, (unsigned)cases);
     const uint4 poison = make_uint4(0xEEEEEEEEu, 0xEEEEEEEEu, 0xEEEEEEEEu, 0xEEEEEEEEu);
-    std::vector<uint4> cache((size_t)layers * 2 * total * page_units, poison), land(cache), out(cache);
-    for (int layer = 0; layer < layers; layer++)
-      for (long long p = 0; p < 2 * nb; p++)
-        for (long long tid = 0; tid < nthreads; tid++)
-          kv_push_page(kv.data(), cache.data(), land.data(), src.data(), dst.data(), nb, total, total, tokens,
-                       token_units, layer, p, tid, nthreads);
-    for (int layer = 0; layer < layers; layer++)  // kv_land's copy, landing -> output
-      for (long long p = 0; p < 2 * nb; p++) {
-        size_t at = kv_page(layer, (int)(p / nb), dst[p % nb], total, page_units);
-        for (long long u = 0; u < page_units; u++) out[at + u] = land[at + u];
+    std::vector<uint4> cache((size_t)layers * 2 * total * page_units, poison), theirs(cache);
+    std::vector<int> copies((size_t)layers * 2 * nb, 0), signals(layers, 0);
+    bool order = true;
+    for (int l0 = 0; l0 < layers; l0 += per_launch) {
+      const int l1 = std::min(layers, l0 + per_launch);
+      const KvPlan plan = kv_plan(nb, l0, l1, page_units, nthreads, KV_UNROLL);
+      if (plan.pps * plan.group != nthreads) order = false;
+      const size_t base = (size_t)l0 * plan.per_layer;  // flat page index of the launch's first page
+      for (long long cta = 0; cta < ctas; cta++) {
+        std::vector<bool> done(layers, false);  // layers this CTA has signalled
+        kv_cta_loop(plan, cta, ctas, l0, l1,
+          [&](long long q0) {
+            for (int tid = 0; tid < nthreads; tid++) {
+              const long long q = q0 + tid / plan.group;
+              if (q < plan.pages)
+                kv_push_page(kv.data(), cache.data(), theirs.data(), src.data(), dst.data(), nb, total, tokens,
+                             token_units, l0 + (int)(q / plan.per_layer), q % plan.per_layer, tid % plan.group,
+                             plan.group);
+            }
+            for (long long q = q0; q < q0 + plan.pps && q < plan.pages; q++) {
+              copies[base + q]++;
+              if (done[l0 + q / plan.per_layer]) order = false;  // a page after its layer's signal
+            }
+          },
+          [&](int from, int to) {
+            for (int layer = from; layer < to; layer++) {
+              if (layer < l0 || layer >= l1 || done[layer]) order = false;
+              done[layer] = true;
+              signals[layer]++;
+              for (long long q = (layer - l0) * plan.per_layer; q < (layer - l0 + 1) * plan.per_layer; q++)
+                if ((q / plan.pps) % ctas == cta && copies[base + q] != 1) order = false;  // its pages first
+            }
+          });
       }
+    }
+    for (int c : copies) if (c != 1) order = false;
+    for (int s : signals) if (s != ctas) order = false;
+    if (!order) { bad++; cases++; continue; }
     auto same = [](uint4 a, uint4 b) { return a.x == b.x && a.y == b.y && a.z == b.z && a.w == b.w; };
     for (int layer = 0; layer < layers; layer++)
       for (int half = 0; half < 2; half++)
@@ -272,7 +359,7 @@ int main() {
               long long t = 16 * i + u / token_units;
               return t < tokens ? kv[((size_t)(layer * 2 + half) * tokens + t) * token_units + u % token_units] : make_uint4(0u, 0u, 0u, 0u);
             };
-            if (!same(cache[at + u], want(i_src)) || !same(land[at + u], want(i_dst)) || !same(out[at + u], want(i_dst))) { bad++; goto next; }
+            if (!same(cache[at + u], want(i_src)) || !same(theirs[at + u], want(i_dst))) { bad++; goto next; }
           }
         }
     next:
@@ -284,8 +371,9 @@ int main() {
 """
 
 
-def test_seed_page_copy_on_host(wl: KvTransfer, tmp_path) -> None:
-    run_host_check(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"], PAGE_CHECK_MAIN, tmp_path, "page_check")
+@pytest.mark.parametrize("unroll", [1, 4, 8])
+def test_seed_page_copy_on_host(wl: KvTransfer, tmp_path, unroll: int) -> None:
+    run_host_check(seed_source(wl, unroll=unroll), PAGE_CHECK_MAIN, tmp_path, "page_check")
 
 
 # -- running the host baselines over gloo ---------------------------------------------------------
@@ -330,6 +418,31 @@ def test_program_on_gpus(wl: KvTransfer, program: str, world: int) -> None:
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"
                 assert not value["strict"] and not value["harness"], f"{program} {shape}: {value}"
+
+
+# The seed's other paths: eager calls, many CTAs with the widest CTA, CTAs that do not divide the
+# pages with one vector in flight, and a prefill shape whose layers do not divide into launches.
+SEED_VARIANTS = {
+    "eager": dict(graph=False),
+    "wide": dict(ctas=132, threads=1024, unroll=8),
+    "narrow": dict(ctas=7, threads=128, unroll=1),
+    "grouped": dict(prefill_ctas=5, layers_per_launch=3, unroll=2),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(SEED_VARIANTS))
+def test_seed_variants_on_gpus(variant: str) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    with WorkerPool(2, device="cuda", job_timeout_s=300) as pool:
+        for shape in ("S37-KV2-F5", "S2000-L4-F7", "S300-L5-P1-F3"):
+            result = pool.run("kv_jobs:run_program_check", program="seed", shape_text=shape, seed=7, calls=3,
+                              config=SEED_VARIANTS[variant])
+            assert result.ok, f"{variant} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"], f"{variant} {shape} modified its inputs"
+                assert not value["strict"] and not value["harness"], f"{variant} {shape}: {value}"
 
 
 def test_two_pairs_on_four_cpu_workers() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from commweave.evaluate.program import load_program, parse_program
 from commweave.space import directives_of
+from commweave.space.template import program_body
 from commweave.workloads.kv_transfer.template import make_template
 
 TEMPLATE = make_template()
@@ -26,7 +27,11 @@ def test_rejects_what_it_does_not_implement():
         "fused": (dict(placement="fused"), "implements placement split only"),
         "peer": (dict(sync="peer"), "implements sync chunk only"),
         "warp": (dict(issuer="warp"), "implements issuer cta only"),
-        "knob": (dict(knobs={"threads": 1024, "comm_priority": -1}), "knob threads=1024 is not one of"),
+        "knob": (dict(knobs={"threads": 96, "unroll": 4, "comm_priority": -1, "graph": True}),
+                 "knob threads=96 is not one of"),
+        "unroll": (dict(knobs={"threads": 512, "unroll": 3, "comm_priority": -1, "graph": True}),
+                   "knob unroll=3 is not one of"),
+        "ctas": (dict(comm_ctas=200), "comm_ctas must be one of"),
     }
     for name, (changes, reason) in cases.items():
         assert any(reason in w for w in TEMPLATE.check(seed.with_(**changes), 4)), name
@@ -43,6 +48,22 @@ def test_chunk_bytes_become_layers_per_launch():
     assert TEMPLATE.layers_per_launch(seed.with_(chunk_bytes=1 << 30), SHAPE) == 32
 
 
+def test_comm_ctas_set_the_knob_of_the_shape():
+    """With the stand-in prefill the CTAs are taken from its GEMMs (`prefill_ctas`); transfer-only
+    shapes set `ctas` and push every layer in one launch, so chunk bytes render nothing there."""
+    seed = load_program(TEMPLATE.wl.program_text("seed")).CONFIG
+    ds = TEMPLATE.seed_directives().with_(comm_ctas=96, chunk_bytes=128 << 20, knobs={"unroll": 8})
+    prefill = load_program(TEMPLATE.render(ds, SHAPE, 2)).CONFIG
+    got = (prefill["prefill_ctas"], prefill["layers_per_launch"], prefill["ctas"], prefill["unroll"])
+    assert got == (96, 4, seed["ctas"], 8)
+    transfer_shape = TEMPLATE.wl.make_shape(8192, 2)
+    transfer = load_program(TEMPLATE.render(ds, transfer_shape, 2)).CONFIG
+    got = (transfer["ctas"], transfer["prefill_ctas"], transfer["layers_per_launch"])
+    assert got == (96, seed["prefill_ctas"], seed["layers_per_launch"])
+    other_chunk = TEMPLATE.render(ds.with_(chunk_bytes=1 << 20), transfer_shape, 2)
+    assert program_body(other_chunk) == program_body(TEMPLATE.render(ds, transfer_shape, 2))
+
+
 def test_rendered_sample_parses_and_carries_its_directives():
     values = TEMPLATE.dimension_values(4)
     rng = random.Random(5)
@@ -55,7 +76,7 @@ def test_rendered_sample_parses_and_carries_its_directives():
         parse_program(text)
         assert directives_of(text) == ds
         config = load_program(text).CONFIG
-        assert config["ctas"] == ds.comm_ctas and config["layers_per_launch"] == TEMPLATE.layers_per_launch(ds, SHAPE)
+        assert config["prefill_ctas"] == ds.comm_ctas and config["layers_per_launch"] == TEMPLATE.layers_per_launch(ds, SHAPE)
         assert all(config[k] == v for k, v in ds.knobs)
         rendered += 1
     assert rendered

@@ -7,6 +7,9 @@ cost a pool restart) and collective setup/teardown calls stay matched. A candida
 exception becomes its rank's verdict; a sticky CUDA error is re-raised, because the worker's CUDA
 context is gone and the pool must replace it.
 
+Outputs come from `harness_output`: a symmetric window for workloads that ask for one
+(`Workload.symmetric_output`), so device programs may store into peers' outputs.
+
 Workloads travel to workers as 'module:Class' paths (`workload_ref`): the class must be importable
 there (the pool's PYTHONPATH) and constructible without arguments.
 """
@@ -168,10 +171,28 @@ def _check_shape(ctx: Any, wl: Workload, program: Any, steps: _Steps, shape: Sha
     return steps.agree()
 
 
+def harness_output(ctx: Any, wl: Workload, shape: Shape) -> torch.Tensor:
+    """This rank's output buffer as the harness makes it, for checks, benchmarks and tests alike.
+
+    With `wl.symmetric_output` on a CUDA pool it lies in a symmetric window (`ctx.symmetric`), so a
+    device program can store straight into its peers' outputs; this is collective (every rank calls
+    it, in the same order), and every rank takes the largest rank's byte count so the windows match.
+    The window returns to the context's free list at `ctx.end_candidate()`. Otherwise (CPU pools,
+    other workloads) it is `make_output`'s tensor."""
+    if not (wl.symmetric_output and ctx.is_cuda):
+        return wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device)
+    like = wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta"))  # shape and dtype only
+    nbytes = like.numel() * like.element_size()
+    most = torch.tensor([nbytes], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=_harness_group())
+    storage = ctx.symmetric((int(most.item()),), torch.uint8, zero=False)
+    return storage[:nbytes].view(like.dtype).view(like.shape)
+
+
 def _fresh_case(wl: Workload, shape: Shape, ctx: Any, seed: int) -> tuple[dict, dict, torch.Tensor]:
     inputs = wl.make_inputs(shape, ctx.world_size, ctx.rank, seed, ctx.device)
     pristine = {k: v.clone() for k, v in inputs.items()}
-    out = poison_(wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device))
+    out = poison_(harness_output(ctx, wl, shape))
     return inputs, pristine, out
 
 
@@ -250,8 +271,7 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
         result.input_sets = len(sets)
         untouched = {set_seed: steps.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, set_seed,
                                              ctx.device) for set_seed, _ in sets}
-        outs = {name: steps.harness("make_output()", wl.make_output, shape, ctx.world_size, ctx.rank, ctx.device)
-                for name in active}
+        outs = {name: steps.harness("make_output()", harness_output, ctx, wl, shape) for name in active}
         for name, i in interleaved_schedule(list(active), warmup):
             program, state = active[name]
             set_seed, inputs = sets[i % len(sets)]

@@ -66,6 +66,7 @@ class KvTransfer(Workload):
     world_sizes = (2, 4)
     baselines = ("host", "host_per_block", "host_layerwise")
     seed = "seed"
+    symmetric_output = True  # the decode cache in a window: the seed stores pages straight into it
 
     # -- shapes ---------------------------------------------------------------------------------
     def make_shape(self, tokens: int, world_size: int, kv_heads: int = KV_HEADS, passes: int = 0,
