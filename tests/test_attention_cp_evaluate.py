@@ -46,9 +46,10 @@ def test_evaluate_times_the_candidate_beside_the_baselines(evaluator: Evaluator)
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_ideal_yardstick_is_timed_and_is_not_a_correct_program(evaluator: Evaluator, causal: bool) -> None:
-    """The 'ideal' (all-gather's compute without its all-gather) runs, gets times beside a real
-    program, and its output is wrong: it must never pass for a program."""
-    text = WL.yardstick_text("ideal")
+    """The SDPA ideal (all-gather's compute without its all-gather) runs, gets times beside a real
+    program, and its output is wrong: it must never pass for a program. (The seed's ideal needs GPUs.)"""
+    assert "communicate=False" in WL.yardstick_text("ideal") and "communicate=True" in WL.program_text("seed")
+    text = WL.yardstick_text("ideal_sdpa")
     assert "communicate=False" in text and "communicate=True" in WL.program_text("allgather")
     shape = WL.parse_shape(f"s256-q4kv2-d32-{'causal' if causal else 'full'}", 2)
     bench = evaluator.benchmark({"allgather": WL.program_text("allgather"), "ideal": text}, shape)

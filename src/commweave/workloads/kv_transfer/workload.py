@@ -67,6 +67,8 @@ class KvTransfer(Workload):
     baselines = ("host", "host_per_block", "host_layerwise")
     seed = "seed"
     symmetric_output = True  # the decode cache in a window: the seed stores pages straight into it
+    #: end to end against the stand-in prefill alone (no transfer): what "hidden" is measured against
+    yardsticks = {"prefill_alone": ("seed", {"communicate": False})}
 
     # -- shapes ---------------------------------------------------------------------------------
     def make_shape(self, tokens: int, world_size: int, kv_heads: int = KV_HEADS, passes: int = 0,

@@ -46,6 +46,8 @@ CONFIG = dict(
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
     backend="auto",  # block attention: "cudnn", "flash" (both return the LSE), "torch" (float32), "auto"
     native_gqa=True,  # the kernel reads grouped KV heads itself (else K/V repeated per query head: ~4 % slower at 32/8)
+    communicate=True,  # False: no push and no wait, remote blocks over whatever kv_seq holds (the "ideal"
+    # yardstick: this rank's attention computed as here, every key present; wrong output)
 )
 MAX_GRAPHS = 32
 MAX_WORLD = 8
@@ -198,6 +200,8 @@ def setup(ctx, shape):
     dc = ctx.dev_comm(lsa_barriers=ctas)
     if dc.lsa_size != world or dc.lsa_rank != rank:
         raise RuntimeError(f"all {world} ranks must share one NVLink (LSA) domain; lsa size {dc.lsa_size}, lsa rank {dc.lsa_rank}")
+    if not CONFIG["communicate"]:
+        kv_seq.normal_()  # keys like the inputs' (N(0, 1)), so the attention's work is the same
     module = ctx.compile(CUDA_SRC, "attention_cp_seed")
     writers = world - 1 + int(causal)
     return {
@@ -228,21 +232,17 @@ def _call(ctx, state, inputs, out):
             raise ValueError(f"the push kernel copies {name} as one contiguous, 16-byte aligned block")
     main, comm = torch.cuda.current_stream(ctx.device), state["stream"]
     comm.wait_stream(main)  # this rank's previous attention and flag reset are done
-    state["push"].launch(CONFIG["comm_ctas"], CONFIG["threads"], [
-        k, v, state["kv_win"], state["kv_win"].offset, state["flag_win"], state["flag_win"].offset,
-        state["seg_rows"], state["segments"], state["row_units"], state["kv_seq"].shape[1],
-        state["dest"], int(state["causal"]), state["dc"],
-    ], stream=comm)
-
+    if CONFIG["communicate"]:
+        _push(ctx, state, k, v, comm)
     local = []
     for blk in state["blocks"]:  # own keys: nothing to wait for
         r0, r1 = blk["row"], blk["row"] + blk["rows"]
         kr = slice(r0, r1) if state["causal"] else slice(None)
         local.append(_attention(state, q[r0:r1], k[kr], v[kr], blk["local_causal"]))
     flags, kv_seq = state["flags"], state["kv_seq"]
-    if CONFIG["wait"] == "stream":
+    if CONFIG["communicate"] and CONFIG["wait"] == "stream":
         stream_wait_geq(flags.data_ptr(), state["target"], main)
-    else:
+    elif CONFIG["communicate"]:
         state["wait"].launch(1, 1, [flags, state["target"]], stream=main)
     for blk, (o_local, lse_local) in zip(state["blocks"], local):
         r0, r1 = blk["row"], blk["row"] + blk["rows"]
@@ -254,4 +254,12 @@ def _call(ctx, state, inputs, out):
         merge_two(out[r0:r1], o_local, lse_local, o_remote, lse_remote)
     flags.zero_()  # every writer's signal was waited for above; see the module docstring
     main.wait_stream(comm)
+
+
+def _push(ctx, state, k, v, comm):
+    state["push"].launch(CONFIG["comm_ctas"], CONFIG["threads"], [
+        k, v, state["kv_win"], state["kv_win"].offset, state["flag_win"], state["flag_win"].offset,
+        state["seg_rows"], state["segments"], state["row_units"], state["kv_seq"].shape[1],
+        state["dest"], int(state["causal"]), state["dc"],
+    ], stream=comm)
 # EVOLVE-BLOCK-END

@@ -49,13 +49,14 @@ from commweave.runtime.graphs import CallGraphs
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
-    ctas=64,  # push CTAs on transfer-only shapes (P = 0): every SM is free, NVLink needs many in flight
+    ctas=132,  # push CTAs on transfer-only shapes (P = 0): every SM is free (sweep on 2 GPUs: 132 > 64 by 3-4 %)
     prefill_ctas=16,  # push CTAs while the stand-in prefill runs (P > 0): SMs taken from its GEMMs
     threads=512,  # threads per push CTA (compiled in as the kernel's launch bound)
     unroll=4,  # 16-byte vectors a thread loads before it stores them (in flight: ctas x threads x unroll x 16 B)
     layers_per_launch=1,  # P > 0: layers per push launch (1: each layer right after its prefill); P = 0: all
     comm_priority=-1,  # stream priority of the push (negative: scheduled ahead of the prefill's GEMMs)
     graph=True,  # replay each call as a CUDA graph (captured per input/output addresses)
+    communicate=True,  # False: only the stand-in prefill, no transfer (the "prefill_alone" yardstick; wrong output)
 )
 MAX_CTAS = 1024  # one LSA barrier per CTA
 LAND_THREADS = 128  # kv_land only meets the barrier and waits
@@ -298,6 +299,10 @@ def run(ctx, state, inputs, out):
 def _call(ctx, state, inputs, out, win):
     main = torch.cuda.current_stream(ctx.device)
     layers, ctas = out.shape[0], state["ctas"]
+    if not CONFIG["communicate"]:
+        for _ in range(state["passes"] * layers if state["is_src"] else 0):
+            torch.matmul(inputs["x"], inputs["w"], out=state["scratch"])
+        return
     if not state["is_src"]:
         state["land"].launch(ctas, LAND_THREADS, [state["flags"], layers, ctas, state["dc"]], stream=main)
         return
