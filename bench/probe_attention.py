@@ -12,7 +12,6 @@ remote blocks, and the fused merge. Writes a results JSON (report.results.write_
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,24 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from commweave.report.results import write_results
+from gpu_timer import median_us  # bench/ is on sys.path when a probe runs as a script
 from commweave.workloads.attention_cp.attention import attention_with_lse, merge_two
 
 CASES = [(32768, 4, 32, 8, 128, False), (32768, 2, 32, 8, 128, False), (131072, 4, 32, 8, 128, False),
          (32768, 4, 32, 8, 128, True)]
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def _probe(seq: int, world: int, hq: int, hkv: int, d: int, causal: bool, iters: int) -> dict[str, float | str]:
@@ -50,21 +36,21 @@ def _probe(seq: int, world: int, hq: int, hkv: int, d: int, causal: bool, iters:
     # the ideal: SDPA of this rank's queries over every visible key (non-causal: all of them)
     qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if not causal:
-        row["ideal_sdpa_us"] = _time(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True), iters)
+        row["ideal_sdpa_us"] = median_us(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True), iters)
     flops = 4 * local * (seq if not causal else seq / 2) * hq * d
     remote = k[local:], v[local:]
     for backend in ("cudnn", "flash"):
         for native in (False, True):
             name = f"{backend}{'_gqa' if native else '_repeat'}"
             try:
-                row[f"{name}_local_us"] = _time(lambda: attention_with_lse(q, k[:local], v[:local], causal=causal, backend=backend, native_gqa=native), iters)
-                row[f"{name}_remote_us"] = _time(lambda: attention_with_lse(q, *remote, backend=backend, native_gqa=native), iters)
+                row[f"{name}_local_us"] = median_us(lambda: attention_with_lse(q, k[:local], v[:local], causal=causal, backend=backend, native_gqa=native), iters)
+                row[f"{name}_remote_us"] = median_us(lambda: attention_with_lse(q, *remote, backend=backend, native_gqa=native), iters)
             except RuntimeError as exc:
                 row[f"{name}_error"] = str(exc).splitlines()[0][:200]
     o_a, lse_a = attention_with_lse(q, k[:local], v[:local])
     o_b, lse_b = attention_with_lse(q, *remote)
     out = torch.empty_like(q)
-    row["merge_us"] = _time(lambda: merge_two(out, o_a, lse_a, o_b, lse_b), iters)
+    row["merge_us"] = median_us(lambda: merge_two(out, o_a, lse_a, o_b, lse_b), iters)
     row["flops"] = flops
     return row
 

@@ -13,7 +13,6 @@ pre-transposed contiguous ([E, H, 2I]); the SwiGLU element-wise part. Writes a r
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,23 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from commweave.report.results import write_results
+from gpu_timer import median_us  # bench/ is on sys.path when a probe runs as a script
 
 H, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8
 CASES = [(4096, 2), (4096, 4), (128, 4)]  # (tokens per rank, world)
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def _probe(tokens: int, world: int, iters: int) -> dict[str, float | str]:
@@ -54,11 +40,11 @@ def _probe(tokens: int, world: int, iters: int) -> dict[str, float | str]:
     gu = torch.randn(rows, 2 * INTER, device="cuda").bfloat16()
     flops = 6 * rows * H * INTER
     row: dict[str, float | str] = {"case": f"T{tokens}-W{world}", "rows": rows, "local_experts": local, "flops": flops}
-    row["gate_up_view_us"] = _time(lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends), iters)
-    row["down_view_us"] = _time(lambda: torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends), iters)
-    row["gate_up_contig_us"] = _time(lambda: torch._grouped_mm(x, w13_t, offs=ends), iters)
-    row["down_contig_us"] = _time(lambda: torch._grouped_mm(h, w2_t, offs=ends), iters)
-    row["swiglu_us"] = _time(lambda: F.silu(gu[:, :INTER]) * gu[:, INTER:], iters)
+    row["gate_up_view_us"] = median_us(lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends), iters)
+    row["down_view_us"] = median_us(lambda: torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends), iters)
+    row["gate_up_contig_us"] = median_us(lambda: torch._grouped_mm(x, w13_t, offs=ends), iters)
+    row["down_contig_us"] = median_us(lambda: torch._grouped_mm(h, w2_t, offs=ends), iters)
+    row["swiglu_us"] = median_us(lambda: F.silu(gu[:, :INTER]) * gu[:, INTER:], iters)
     # the overlap schedule: one pair of grouped GEMMs per source region of rows/world rows
     part = rows // world
     part_ends = (per_expert // world).cumsum(0).to(torch.int32)
@@ -69,7 +55,7 @@ def _probe(tokens: int, world: int, iters: int) -> dict[str, float | str]:
             torch._grouped_mm(xs, w13.transpose(-2, -1), offs=part_ends)
             torch._grouped_mm(hs, w2.transpose(-2, -1), offs=part_ends)
 
-    row["per_source_gemms_us"] = _time(per_source, iters)
+    row["per_source_gemms_us"] = median_us(per_source, iters)
     row["all_gemms_view_us"] = row["gate_up_view_us"] + row["down_view_us"]
     row["tflops_all_view"] = flops / row["all_gemms_view_us"] / 1e6
     row["weights_gb"] = (w13.numel() + w2.numel()) * 2 / 1e9

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import glob
 import itertools
-import math
 import os
 import sys
 import time
