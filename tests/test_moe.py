@@ -1,19 +1,21 @@
 """CPU checks of the moe workload: routing, slot layout, reference, shapes, programs, CUDA sources.
 
-The seed's kernels need GPUs; here they are compiled, and the seed's data flow (slot layout,
-per-source or expert-major grouped GEMMs, weighted combine) is replayed in one process with the
-same library functions the seed calls. `pytest -m gpu` runs every program on the GPUs themselves.
+The seed's kernels need GPUs; here they are compiled, their expert-major position math is run on
+the host, and the seed's data flow (slot layout, expert-major dispatch, one pair of grouped GEMMs,
+weighted combine) is replayed in one process with the same library functions the seed calls.
+`pytest -m gpu` runs every program on the GPUs themselves.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_host import toolchain_or_skip
+from cuda_host import run_host_check, toolchain_or_skip
 from commweave.evaluate.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
@@ -167,8 +169,6 @@ def test_slot_layout(world: int) -> None:
             for i in range(int(lay["dest_start"][d]), int(lay["dest_start"][d + 1])):
                 pair = int(lay["order"][i])
                 assert int(lay["slot"][pair]) == i - int(lay["dest_start"][d])
-            ends = routing.expert_offsets(lay["counts"][d * per_rank:(d + 1) * per_rank])
-            assert ends.dtype == torch.int32 and int(ends[-1]) == mine.numel()
 
 
 def test_pool_never_overflows() -> None:
@@ -178,73 +178,153 @@ def test_pool_never_overflows() -> None:
     assert int(lay["slot"].max()) == 399 < routing.pool_rows_per_source(50, 8)
 
 
-def test_expert_major_permutation() -> None:
+def _random_counts(g: torch.Generator, world: int, per_rank: int, rows: int) -> torch.Tensor:
+    """counts [W, E/W]: each source sends at most `rows` rows, spread at random over the experts."""
+    counts = torch.zeros(world, per_rank, dtype=torch.int64)
+    for s in range(world):
+        n = int(torch.randint(0, rows + 1, (1,), generator=g))
+        counts[s] = torch.bincount(torch.randint(0, per_rank, (n,), generator=g), minlength=per_rank)
+    return counts
+
+
+def test_expert_major_positions() -> None:
+    """Every (source, expert, i) row gets its own position; expert e's rows are contiguous, by
+    source, experts in order, ending at the total; the group ends are where each expert ends."""
     g = _gen(9)
-    for world, per_rank, rows in ((2, 3, 7), (4, 8, 40), (4, 1, 5)):
-        counts = torch.zeros(world, per_rank, dtype=torch.int64)
-        for s in range(world):  # random counts with at most `rows` rows per source
-            n = int(torch.randint(0, rows + 1, (1,), generator=g))
-            picks = torch.randint(0, per_rank, (n,), generator=g)
-            counts[s] = torch.bincount(picks, minlength=per_rank)
-        perm, ends = routing.expert_major_permutation(counts, rows)
-        assert sorted(perm.tolist()) == list(range(world * rows))
-        want = []
+    for world, per_rank, rows in ((1, 3, 5), (2, 3, 7), (4, 8, 40), (4, 1, 5), (2, 128, 300)):
+        counts = _random_counts(g, world, per_rank, rows)
+        expected = []
         for e in range(per_rank):
             for s in range(world):
-                start = s * rows + int(counts[s, :e].sum())
-                want += list(range(start, start + int(counts[s, e])))
-        assert perm[:len(want)].tolist() == want
-        assert ends.tolist() == counts.sum(0).cumsum(0).tolist()
+                expected += [(s, e, i) for i in range(int(counts[s, e]))]
+        got = {}
+        for s in range(world):
+            local = torch.repeat_interleave(torch.arange(per_rank), counts[s])  # s's pairs in slot order
+            slot = torch.arange(local.numel())
+            pos = routing.expert_major_positions(slot, local, counts, s)
+            first = counts[s].cumsum(0) - counts[s]
+            for p, e, sl in zip(pos.tolist(), local.tolist(), slot.tolist()):
+                got[p] = (s, e, sl - int(first[e]))
+        assert sorted(got) == list(range(len(expected)))  # distinct, and exactly 0..total-1
+        assert [got[p] for p in range(len(expected))] == expected
+        ends = routing.expert_group_ends(counts)
+        assert ends.dtype == torch.int32 and ends.tolist() == counts.sum(0).cumsum(0).tolist()
+
+
+# The dispatch kernel's moe_expert_base compiled for the host, driven as the kernel drives it: the
+# counts of W sources for one destination, strided as in shared memory (source s at s * stride).
+POSITION_CHECK_MAIN = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+int main() {
+  int cases = 0, bad = 0;
+  srand(7);
+  const int worlds[] = {1, 2, 3, 4, 8};
+  const int experts[] = {1, 2, 5, 32, 128};
+  for (int world : worlds)
+  for (int per_rank : experts)
+  for (int rep = 0; rep < 4; rep++) {
+    const long long stride = (long long)per_rank * (1 + rep % 3);  // the kernel's n_experts stride
+    const long long rows = 1 + rand() % 200;
+    std::vector<long long> counts((size_t)world * stride, -1000000);  // entries past per_rank unread
+    for (int s = 0; s < world; s++) {
+      for (int e = 0; e < per_rank; e++) counts[s * stride + e] = 0;
+      long long n = rand() % (rows + 1);
+      for (long long i = 0; i < n; i++) counts[s * stride + rand() % per_rank]++;
+    }
+    long long total = 0;
+    for (int s = 0; s < world; s++) for (int e = 0; e < per_rank; e++) total += counts[s * stride + e];
+    // where each (source, expert, i) must land: experts in order, sources in order, i in order
+    std::vector<long long> want((size_t)world * per_rank);
+    long long next = 0;
+    for (int e = 0; e < per_rank; e++)
+      for (int s = 0; s < world; s++) { want[s * per_rank + e] = next; next += counts[s * stride + e]; }
+    std::vector<int> hits((size_t)total, 0);
+    for (int s = 0; s < world; s++) {
+      long long slot = 0;  // s's pairs for this destination in sorted order: grouped by expert
+      for (int e = 0; e < per_rank; e++) {
+        const long long base = moe_expert_base(counts.data(), stride, world, s, e);
+        for (long long i = 0; i < counts[s * stride + e]; i++, slot++) {
+          const long long pos = slot + base;
+          if (pos != want[s * per_rank + e] + i || pos < 0 || pos >= total) { bad++; continue; }
+          hits[pos]++;
+        }
+      }
+    }
+    for (long long p = 0; p < total; p++) bad += hits[p] != 1;
+    cases++;
+  }
+  printf("cases %d wrong %d\n", cases, bad);
+  return bad != 0;
+}
+"""
+
+
+def test_seed_position_math_on_host(wl: MoELayer, tmp_path: Path) -> None:
+    run_host_check(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"], POSITION_CHECK_MAIN, tmp_path, "position_check")
+
+
+def test_expert_major_bases_match_kernel_formula() -> None:
+    """routing.expert_major_bases is moe_expert_base's formula (the CPU replay relies on it)."""
+    g = _gen(3)
+    for world, per_rank in ((2, 4), (4, 16)):
+        counts = _random_counts(g, world, per_rank, 50)
+        for src in range(world):
+            bases = routing.expert_major_bases(counts, src).tolist()
+            for e in range(per_rank):
+                want = sum(int(counts[s, e]) for s in range(src))
+                want += sum(int(counts[s, f]) for f in range(e) for s in range(world)) - sum(int(counts[src, f]) for f in range(e))
+                assert bases[e] == want
 
 
 # -- the seed's data flow, replayed on CPU ---------------------------------------------------------
-def _simulate_seed(wl: MoELayer, shape, world: int, seed: int, overlap: bool) -> list[torch.Tensor]:
+def _simulate_seed(wl: MoELayer, shape, world: int, seed: int) -> list[torch.Tensor]:
     """Dispatch, experts and combine as the seed's kernels do them, with plain tensors per rank."""
     inputs = [wl.make_inputs(shape, world, r, seed, CPU) for r in range(world)]
-    tokens, hidden, top_k, per_rank = shape["T"], shape["H"], shape["K"], shape["E"] // world
-    rows = routing.pool_rows_per_source(tokens, top_k)
-    pool = [torch.full((world * rows, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
-    pair = [torch.full((world * rows,), -1, dtype=torch.int32) for _ in range(world)]
-    wt = [torch.zeros(world * rows) for _ in range(world)]
-    cnt = [torch.zeros(world, per_rank, dtype=torch.int64) for _ in range(world)]
+    tokens, hidden, top_k, n_experts = shape["T"], shape["H"], shape["K"], shape["E"]
+    per_rank = n_experts // world
+    pool_rows = world * routing.pool_rows_per_source(tokens, top_k)
+    pool = [torch.full((pool_rows, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+    pair = [torch.full((pool_rows,), -1, dtype=torch.int32) for _ in range(world)]
+    src = [torch.full((pool_rows,), -1, dtype=torch.int32) for _ in range(world)]
+    wt = [torch.zeros(pool_rows) for _ in range(world)]
     back = [torch.full((tokens * top_k, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+    layouts = [routing.slot_layout(inputs[r]["topk_idx"], n_experts, world) for r in range(world)]
+    sent = torch.stack([lay["counts"] for lay in layouts])  # [W, E]: every rank's `sent`, as the kernel pulls it
+    cnt = [sent[:, d * per_rank:(d + 1) * per_rank] for d in range(world)]  # what d's CTA 0 stores
     for me in range(world):  # moe_dispatch
-        x, idx, w = inputs[me]["x"], inputs[me]["topk_idx"], inputs[me]["topk_weights"]
-        lay = routing.slot_layout(idx, shape["E"], world)
+        x, idx, w, lay = inputs[me]["x"], inputs[me]["topk_idx"], inputs[me]["topk_weights"], layouts[me]
         for d in range(world):
             begin, end = int(lay["dest_start"][d]), int(lay["dest_start"][d + 1])
-            pairs = lay["order"][begin:end]  # sorted position i lands in slot i - begin
-            slots = me * rows + torch.arange(end - begin)
-            pool[d][slots] = x[pairs // top_k]
-            pair[d][slots] = pairs.to(torch.int32)
-            wt[d][slots] = w.reshape(-1)[pairs]
-            cnt[d][me] = lay["counts"][d * per_rank:(d + 1) * per_rank]
-    for d in range(world):  # grouped GEMMs, then moe_combine
+            pairs = lay["order"][begin:end]  # sorted position i has slot i - begin
+            local = idx.reshape(-1)[pairs] - d * per_rank
+            rows = routing.expert_major_positions(torch.arange(end - begin), local, cnt[d], me)
+            assert bool((rows < pool_rows).all()) and bool((pair[d][rows] == -1).all())  # nothing overwritten
+            pool[d][rows] = x[pairs // top_k]
+            pair[d][rows] = pairs.to(torch.int32)
+            src[d][rows] = me
+            wt[d][rows] = w.reshape(-1)[pairs]
+    for d in range(world):  # one pair of grouped GEMMs over the pool as it lies, then moe_combine
         w13, w2 = inputs[d]["w13"], inputs[d]["w2"]
-
-        def swiglu(a, ends):
-            gate_up = torch._grouped_mm(a, w13.transpose(-2, -1), offs=ends)
-            h = F.silu(gate_up[:, :shape["I"]]) * gate_up[:, shape["I"]:]
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
-
-        if overlap:
-            y = torch.cat([swiglu(pool[d][s * rows:(s + 1) * rows], routing.expert_offsets(cnt[d][s])) for s in range(world)])
-        else:
-            perm, ends = routing.expert_major_permutation(cnt[d], rows)
-            y = torch.empty(world * rows, hidden, dtype=torch.bfloat16)
-            y[perm] = swiglu(pool[d].index_select(0, perm), ends)
-        for s in range(world):
-            valid = s * rows + torch.arange(int(cnt[d][s].sum()))
-            back[s][pair[d][valid].long()] = (y[valid].float() * wt[d][valid].unsqueeze(1)).to(torch.bfloat16)
+        ends = routing.expert_group_ends(cnt[d])
+        gate_up = torch._grouped_mm(pool[d], w13.transpose(-2, -1), offs=ends)
+        h = F.silu(gate_up[:, :shape["I"]]) * gate_up[:, shape["I"]:]
+        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
+        total = int(cnt[d].sum())
+        assert bool((src[d][:total] >= 0).all()) and bool((src[d][total:] == -1).all())  # valid rows are exactly [0, total)
+        for i in range(total):
+            s, p = int(src[d][i]), int(pair[d][i])
+            back[s][p] = (y[i].float() * wt[d][i]).to(torch.bfloat16)
     return [torch.sum(back[r].view(tokens, top_k, hidden), dim=1, dtype=torch.float32).to(torch.bfloat16) for r in range(world)]
 
 
-@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("which", [0, 1, 2])
 @pytest.mark.parametrize("world", [2, 4])
-def test_seed_dataflow_on_cpu(wl: MoELayer, world: int, which: int, overlap: bool) -> None:
+def test_seed_dataflow_on_cpu(wl: MoELayer, world: int, which: int) -> None:
     shape = wl.check_shapes(world)[which]
-    outs = _simulate_seed(wl, shape, world, seed=4, overlap=overlap)
+    outs = _simulate_seed(wl, shape, world, seed=4)
     for rank, out in enumerate(outs):
         ref = wl.reference(shape, world, rank, 4, CPU)
         err = float((out.float() - ref).norm() / ref.norm())
@@ -357,8 +437,8 @@ def test_program_parses(wl: MoELayer, name: str) -> None:
 
 
 def test_seed_config_knobs(wl: MoELayer) -> None:
-    text = with_config(wl.program_text("seed"), comm_ctas=32, overlap=False, wait="stream")
-    assert "comm_ctas=32" in text and "overlap=False" in text and "wait='stream'" in text
+    text = with_config(wl.program_text("seed"), comm_ctas=32, swiglu="torch", wait="stream")
+    assert "comm_ctas=32" in text and "swiglu='torch'" in text and "wait='stream'" in text
     parse_program(text)
 
 
@@ -366,7 +446,7 @@ def test_seed_cuda_compiles(wl: MoELayer) -> None:
     toolchain_or_skip()
     artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
     assert artifact.path.exists()
-    for kernel in ("moe_dispatch", "moe_combine", "moe_wait"):
+    for kernel in ("moe_dispatch", "moe_swiglu", "moe_combine", "moe_wait"):
         assert f"'{kernel}'" in artifact.log
     assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
 
@@ -445,20 +525,24 @@ def test_template(wl: MoELayer) -> None:
     assert load_program(rendered).CONFIG == load_program(wl.program_text("seed")).CONFIG
     for changes, reason in ((dict(sync="chunk"), "implements sync peer only"),
                             (dict(placement="fused"), "implements placement split only"),
-                            (dict(knobs={**seed.knob_dict, "overlap": "sometimes"}), "knob overlap='sometimes'")):
+                            (dict(knobs={**seed.knob_dict, "swiglu": "sometimes"}), "knob swiglu='sometimes'")):
         assert any(reason in w for w in template.check(seed.with_(**changes), 4)), changes
-    variant = seed.with_(comm_ctas=32, knobs={**seed.knob_dict, "overlap": False, "wait": "stream"})
+    assert seed.knob_dict["combine_ctas"] == 64 and "overlap" not in seed.knob_dict
+    variant = seed.with_(comm_ctas=32, knobs={**seed.knob_dict, "swiglu": "torch", "wait": "stream", "combine_ctas": 128})
     config = load_program(template.render(variant, template.default_shape(2), 2)).CONFIG
-    assert (config["comm_ctas"], config["overlap"], config["wait"]) == (32, False, "stream")
+    assert (config["comm_ctas"], config["swiglu"], config["wait"], config["combine_ctas"]) == (32, "torch", "stream", 128)
+    assert "overlap" not in config
     values = template.dimension_values(4)
-    assert values["knob:overlap"] == (True, False, "auto") and values["comm_ctas"] == (4, 8, 16, 32, 64)
+    assert values["knob:swiglu"] == ("fused", "torch") and values["comm_ctas"] == (4, 8, 16, 32, 64)
+    assert values["knob:combine_ctas"] == (16, 32, 64, 128)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("config", [dict(overlap=True), dict(overlap=False), dict(wait="stream", graph=False)])
+@pytest.mark.parametrize("config", [dict(swiglu="torch"), dict(combine_ctas=16, comm_ctas=4), dict(wait="stream", graph=False)])
 def test_seed_variants_on_gpus(wl: MoELayer, world: int, config: dict) -> None:
-    """Both GEMM schedules and the stream-wait path, on the check shapes and decode at full size."""
+    """The torch SwiGLU, few CTAs (many rows per warp) and the stream-wait path, on the check
+    shapes and decode at full size."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]

@@ -11,8 +11,10 @@ the model the programs' kernels follow.
   [0, E/W) receives `ratio` times as many (token, expert) assignments as each other rank
   (ratio 1 is uniform); experts within a rank are drawn uniformly, distinct per token.
   Group limits do not apply to it (it models load imbalance, not the gate).
-- `slot_layout`: where each (token, expert) pair lands in a destination rank's receive pool, the
-  layout the device-initiated seed's dispatch kernel writes (see programs/seed.py).
+- `slot_layout`: each (token, expert) pair's slot among its source's pairs for a destination,
+  grouped by local expert; `expert_major_bases`/`expert_major_positions` turn slots into rows of
+  the destination's expert-major receive pool, the layout the device-initiated seed's dispatch
+  kernel writes (see programs/seed.py); `expert_group_ends` are that pool's grouped-GEMM ends.
 """
 
 from __future__ import annotations
@@ -105,9 +107,10 @@ def rank_loads(idx: torch.Tensor, n_experts: int, world_size: int) -> torch.Tens
 
 # -- slot layout (the seed's dispatch) ----------------------------------------------------------
 def pool_rows_per_source(n_tokens: int, top_k: int) -> int:
-    """Rows a destination reserves for each source: all T*top_k pairs of that source. A source
-    cannot send more (even a routing with repeated experts), so a region never overflows and no
-    token is ever dropped; the cost is memory (W*T*K rows per rank: 1.9 GB at T=4096 on 4 GPUs)."""
+    """Rows a destination reserves per source: all T*top_k pairs of that source. A source cannot
+    send more (even a routing with repeated experts), so a pool of W such shares never overflows
+    and no token is ever dropped; the cost is memory (W*T*K rows per rank: 1.9 GB at T=4096 on 4
+    GPUs)."""
     return n_tokens * top_k
 
 
@@ -138,31 +141,29 @@ def slot_layout(idx: torch.Tensor, n_experts: int, world_size: int) -> dict[str,
     return {"order": order, "dest": dest, "slot": slot, "dest_start": dest_start, "counts": counts}
 
 
-def expert_offsets(counts_from_source: torch.Tensor) -> torch.Tensor:
-    """Group ends (int32, cumulative) of one source's region at a destination, for
-    torch._grouped_mm: local expert e's rows are [ends[e-1], ends[e])."""
-    return counts_from_source.cumsum(0).to(torch.int32)
-
-
-def expert_major_permutation(counts: torch.Tensor, region_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a destination's receive pool of W source regions of `region_rows` rows, where region s
-    holds counts[s, e] rows for local expert e, consecutively by expert from its start:
-    `perm` [W*region_rows] such that pool[perm] lists every valid row grouped by local expert (by
-    source within an expert, in slot order), then the unused rows; and the group ends (int32,
-    [E/W]) of the valid rows in that order, for torch._grouped_mm. Pure device ops, no host sync."""
-    world, per_rank = counts.shape
-    device = counts.device
+def expert_major_bases(counts: torch.Tensor, src: int) -> torch.Tensor:
+    """The seed's dispatch offset (`moe_expert_base` in programs/seed.py), for one destination
+    whose sources send counts [W, E/W] rows per local expert: base[e] is added to the slot a pair
+    of source `src` for local expert e has in src's sorted routing (`slot_layout`), giving its row
+    in the destination's expert-major pool:
+      base[e] = sum_{e' < e} sum_s counts[s, e']    (where expert e's rows start)
+              + sum_{s < src} counts[s, e]          (lower sources' rows of expert e come first)
+              - sum_{e' < e} counts[src, e']        (src's own slot of its first pair for e).
+    So expert e's rows are contiguous, ordered by source, each source's rows in slot order."""
     counts = counts.long()
-    within = torch.arange(region_rows, device=device).expand(world, region_rows)  # row i of region s
-    ends = counts.cumsum(1)  # [W, E/W]
-    valid = within < ends[:, -1:]
-    expert = torch.searchsorted(ends, within.contiguous(), right=True).clamp(max=per_rank - 1)  # [W, R]
-    pos_in_expert = within - (ends - counts).gather(1, expert)
     totals = counts.sum(0)
-    expert_start = totals.cumsum(0) - totals  # [E/W]
-    source_start = counts.cumsum(0) - counts  # [W, E/W]: rows of expert e from earlier sources
-    key = expert_start[expert] + source_start.gather(1, expert) + pos_in_expert
-    flat_index = torch.arange(world * region_rows, device=device).view(world, region_rows)
-    key = torch.where(valid, key, totals.sum() + flat_index)
-    perm = torch.argsort(key.reshape(-1))
-    return perm, totals.cumsum(0).to(torch.int32)
+    own = counts[src]
+    return (totals.cumsum(0) - totals) + counts[:src].sum(0) - (own.cumsum(0) - own)
+
+
+def expert_major_positions(slot: torch.Tensor, local_expert: torch.Tensor, counts: torch.Tensor, src: int) -> torch.Tensor:
+    """Rows in the destination's expert-major pool of source `src`'s pairs with these slots
+    (`slot_layout`'s, within src's pairs for this destination) and local expert ids."""
+    return slot + expert_major_bases(counts, src)[local_expert]
+
+
+def expert_group_ends(counts: torch.Tensor) -> torch.Tensor:
+    """Group ends (int32, cumulative) of the expert-major pool filled from counts [W, E/W], for
+    torch._grouped_mm: local expert e's rows are [ends[e-1], ends[e]); rows past ends[-1] are
+    unused and ignored by the grouped GEMMs. Device ops, no host sync."""
+    return counts.sum(0).cumsum(0).to(torch.int32)

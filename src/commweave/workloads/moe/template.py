@@ -1,14 +1,14 @@
 """moe's template: directive sets rendered onto the seed by editing its CONFIG knobs.
 
 What the seed implements, and so what this template renders:
-- backend `lsa` (NVLink stores through `ncclGetLsaPointer`), placement `split` (dispatch and
-  combine kernels on a side stream, grouped GEMMs on the current stream chasing flags), sync
-  `peer` (one ready flag per (source, destination) region), issuer `cta` (a CTA's warps copy rows,
-  one release signal per CTA and destination), language `cuda`, no compression;
+- backend `lsa` (NVLink stores through `ncclGetLsaPointer`), placement `split` (the dispatch on a
+  side stream, grouped GEMMs and combine on the current stream behind the flags), sync `peer` (one
+  ready flag per (source, destination) pair), issuer `cta` (a CTA's warps copy rows, one release
+  signal per CTA and destination), language `cuda`, no compression;
 - comm CTAs -> CONFIG `comm_ctas` (the dispatch kernel's CTAs);
-- chunk bytes: the seed signals whole regions, so one value stands for "no chunking" (a
-  per-chunk sync is not implemented and is rejected);
-- template knobs: `threads`, `combine_ctas`, `combine_threads`, `comm_priority`, `overlap`,
+- chunk bytes: the seed signals once per (source, destination), so one value stands for "no
+  chunking" (a per-chunk sync is not implemented and is rejected);
+- template knobs: `threads`, `combine_ctas`, `combine_threads`, `comm_priority`, `swiglu`,
   `wait`, `graph` (the seed's).
 Everything else is rejected with the reason.
 """
@@ -21,16 +21,16 @@ from commweave.evaluate.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
 from commweave.workloads.base import Shape
 
-REGION = 64 << 20  # the chunk-bytes value that stands for "one flag per whole region"
+REGION = 64 << 20  # the chunk-bytes value that stands for "one flag per (source, destination)"
 
 COMM_CTAS = (4, 8, 16, 32, 64)
 KNOBS: dict[str, tuple[Any, ...]] = {
-    # 1024 threads are left out: moe_dispatch has 62 registers a thread, 1024 x 62 leaves no room.
+    # 1024 threads are left out: moe_dispatch has 64 registers a thread, 1024 x 64 leaves no room.
     "threads": (128, 256, 512),
-    "combine_ctas": (4, 8, 16, 32),
+    "combine_ctas": (16, 32, 64, 128),
     "combine_threads": (128, 256, 512),
     "comm_priority": (-1, 0),
-    "overlap": (True, False, "auto"),
+    "swiglu": ("fused", "torch"),
     "wait": ("kernel", "stream"),
     "graph": (True, False),
 }
@@ -57,11 +57,11 @@ class MoETemplate(Template):
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
     def seed_directives(self) -> DirectiveSet:
-        """The seed as it is: 16 dispatch CTAs, region flags, its CONFIG defaults."""
+        """The seed as it is: 16 dispatch CTAs, one flag per (source, destination), its CONFIG defaults."""
         return DirectiveSet.make(backend="lsa", placement="split", sync="peer", issuer="cta", comm_ctas=16,
                                  chunk_bytes=REGION, language="cuda",
-                                 knobs=dict(threads=512, combine_ctas=16, combine_threads=512, comm_priority=-1,
-                                            overlap="auto", wait="kernel", graph=True))
+                                 knobs=dict(threads=512, combine_ctas=64, combine_threads=512, comm_priority=-1,
+                                            swiglu="fused", wait="kernel", graph=True))
 
     def default_shape(self, world_size: int) -> Shape:
         return self.wl.dsv3_shape(4096, world_size)
