@@ -1,7 +1,7 @@
 """Where a program's time goes: run one workload program on the GPUs under torch.profiler and
 print each rank-0 kernel's share of the GPU time (top --top by total CUDA time).
 
-    python bench/profile_program.py moe host --gpus 2 --shape dsv3-T4096 [--config overlap=false]
+    python bench/profile_program.py moe host --gpus 2 --shape dsv3-T4096 [--config comm_ctas=32]
 
 Warm-up calls first (graph capture, lazy handles), then --calls profiled calls. Writes the table
 and a Chrome trace of rank 0 under --out-dir.
