@@ -308,3 +308,13 @@ def test_harness_output_is_symmetric_only_when_asked_on_cuda(monkeypatch):
     assert agreed == [6 * 7 * 4] and gpu.calls == [((1000,), torch.uint8, False)]
     assert out.shape == (6, 7) and out.dtype == torch.float32 and out.is_contiguous()
     assert ToyGatherMatmul.symmetric_output is False
+
+
+def test_memory_is_the_largest_over_ranks_and_absent_where_not_measured():
+    from commweave.evaluate.jobs import RankBench
+
+    ok = Verdict.passed()
+    ranks = [RankBench(times={"a": [1e-3], "b": [1e-3]}, verdicts={"a": ok, "b": ok}, memory={"a": 5 << 20}),
+             RankBench(times={"a": [2e-3], "b": [1e-3]}, verdicts={"a": ok, "b": ok}, memory={"a": 7 << 20})]
+    assert Evaluator._timing("a", ranks, 1e-6).memory_bytes == 7 << 20
+    assert Evaluator._timing("b", ranks, 1e-6).memory_bytes is None  # e.g. CPU pools: not measured

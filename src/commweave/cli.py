@@ -197,6 +197,11 @@ def bench(
     if yardsticks:
         console.print(f"yardsticks ({', '.join(yardsticks)}): timed in the same job, not checked (they skip communication)")
     for row in rows:
+        held = {n: t["memory_bytes"] for n, t in (row["bench"] or {}).get("programs", {}).items() if t.get("memory_bytes") is not None}
+        if held:
+            console.print(f"{row['shape']}: device memory per GPU beyond inputs and output (MiB): "
+                          + ", ".join(f"{n} {b / 2**20:,.0f}" for n, b in held.items()), highlight=False)
+    for row in rows:
         for name, verdict in row["verdicts"].items():
             if not verdict["ok"]:
                 console.print(f"{row['shape']} {name}: {verdict['failure']}: {verdict['message']}", highlight=False)

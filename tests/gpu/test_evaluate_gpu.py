@@ -112,6 +112,11 @@ def test_seed_against_the_baselines(pool, workload):
     assert math.isclose(result.fitness, host.median_us / result.candidate.median_us)
     assert result.floor_us < min(host.median_us, result.candidate.median_us)
     assert json.loads(json.dumps(asdict(result)))["verdict"]["ok"]
+    # memory beyond inputs and output: the seed's symmetric gather buffer holds all of A (W x a
+    # shard, 2 MiB-rounded windows), the host baseline its gathered A; both well under 1 GiB here
+    gathered = 8192 * 8192 * 2
+    assert gathered <= result.candidate.memory_bytes < (1 << 30), result.candidate.memory_bytes
+    assert gathered <= host.memory_bytes < (1 << 30), host.memory_bytes
 
 
 def test_host_against_itself_is_near_one(pool, workload):

@@ -159,6 +159,8 @@ class Evaluator:
         if not all(name in r.times for r in ranks):
             return ProgramTiming(name, verdict)
         timing = summarize(name, verdict, [r.times[name] for r in ranks])
+        if all(name in r.memory for r in ranks):
+            timing.memory_bytes = max(r.memory[name] for r in ranks)
         if verdict.ok:
             timing.verdict = below_floor(timing.median_us * 1e-6, floor) or verdict
         return timing

@@ -226,6 +226,7 @@ class RankBench:
     input_sets: int = 0
     times: dict[str, list[float]] = field(default_factory=dict)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)  # CUDA: bytes a program holds plus its peak in a call
 
 
 def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torch.Tensor,
@@ -249,6 +250,29 @@ def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torc
     return seconds, not bool(not_ready(out, untouched))
 
 
+def _held_bytes(ctx: Any) -> int:
+    """Device memory held right now: torch's allocated tensors and the symmetric windows in use."""
+    if not ctx.is_cuda:
+        return 0
+    return torch.cuda.memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
+
+
+def _call_peak_bytes(ctx: Any, name: str, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> int:
+    """What two calls of a set-up program add at their peak and keep (workspaces, graph pools):
+    counted once per program, before the interleaved warm-up, every rank in the same order."""
+    torch.cuda.synchronize(ctx.device)
+    before = _held_bytes(ctx)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    try:  # run() alone: the harness's own checks would add their temporaries to the peak
+        for _ in range(2):  # eager first call, then a capture or replay where the program keeps graphs
+            program.run(ctx, state, dict(inputs), out)
+        torch.cuda.synchronize(ctx.device)
+    except Exception as exc:
+        raise _run_failure(ctx, name, "memory measurement call", exc) from exc
+    peak = torch.cuda.max_memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
+    return max(peak - before, _held_bytes(ctx) - before, 0)
+
+
 def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
                    seed: int) -> RankBench:
     """Time `programs` side by side on `shape`: set each up once, rotate input sets (past 2x L2),
@@ -261,9 +285,11 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
         steps = _Steps(ctx.rank, shape.label)
         program = _load(ctx, steps, text, name)
         if steps.agree():
+            held = _held_bytes(ctx)
             state = steps.attempt("setup()", program.setup, ctx, shape)
             if steps.agree():
                 active[name] = (program, state)
+                result.memory[name] = _held_bytes(ctx) - held
         result.verdicts[name] = steps.verdict
     steps = _Steps(ctx.rank, shape.label)
     if active:
@@ -272,6 +298,11 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
         untouched = {set_seed: steps.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, set_seed,
                                              ctx.device) for set_seed, _ in sets}
         outs = {name: steps.harness("make_output()", harness_output, ctx, wl, shape) for name in active}
+        if ctx.is_cuda:
+            for name, (program, state) in active.items():
+                result.memory[name] += _call_peak_bytes(ctx, name, program, state, sets[0][1], outs[name])
+        else:
+            result.memory.clear()  # host memory is not measured
         for name, i in interleaved_schedule(list(active), warmup):
             program, state = active[name]
             set_seed, inputs = sets[i % len(sets)]
@@ -316,8 +347,13 @@ def _iteration(ctx: Any, name: str, i: int, program: Any, state: Any, inputs: di
     try:
         return _timed_iteration(ctx, program, state, inputs, out, untouched)
     except Exception as exc:
-        text = f"program {name!r}, benchmark iteration {i}: run() raised {type(exc).__name__}: {exc} (rank {ctx.rank})"
-        raise (StickyCudaError(text) if is_sticky_cuda_error(text) else RuntimeError(text)) from exc
+        raise _run_failure(ctx, name, f"benchmark iteration {i}", exc) from exc
+
+
+def _run_failure(ctx: Any, name: str, when: str, exc: Exception) -> Exception:
+    """The error that aborts a benchmark job when a program's run() raised."""
+    text = f"program {name!r}, {when}: run() raised {type(exc).__name__}: {exc} (rank {ctx.rank})"
+    return StickyCudaError(text) if is_sticky_cuda_error(text) else RuntimeError(text)
 
 
 def _bench_verdict(ctx: Any, wl: Workload, name: str, shape: Shape, out: torch.Tensor, ref: torch.Tensor,

@@ -30,6 +30,9 @@ class ProgramTiming:
     min_us: float | None = None
     p90_us: float | None = None
     per_iter_us: list[float] = field(default_factory=list)  # each iteration's maximum over ranks
+    #: GPUs only: device memory the program holds after setup plus what a call adds at its peak,
+    #: the largest over ranks (inputs and the output, which the harness owns, not counted)
+    memory_bytes: int | None = None
 
 
 @dataclass

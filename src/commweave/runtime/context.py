@@ -183,6 +183,11 @@ class RankContext:
             self.barrier()
         return tensor
 
+    def symmetric_bytes_in_use(self) -> int:
+        """Bytes of symmetric windows handed out since the last `end_candidate` (rounded up to the
+        allocation granularity): memory programs hold outside torch's allocator."""
+        return sum(a.nbytes for a in self._in_use)
+
     def _allocation_of(self, tensor: torch.Tensor) -> _SymmetricAllocation:
         ptr = tensor.data_ptr()
         for alloc in self._in_use:
