@@ -232,3 +232,21 @@ def test_program_on_gpus(wl: GemmAllGather, program: str, world: int) -> None:
             for value in result.values:
                 assert value["inputs_intact"], f"{program} {shape} modified its inputs"
                 assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [dict(backend="ce", comm_ctas=0), dict(backend="ce", comm_ctas=0, chunks=3, order="broadcast"),
+                                    dict(backend="ce", comm_ctas=0, graph=False, wait="stream")])
+def test_seed_copy_engine_backend_on_gpus(wl: GemmAllGather, world: int, config: dict) -> None:
+    """backend ce: copy-engine copies into peers' windows, flags written by the stream."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    shapes = [*wl.check_shapes(world), wl.parse_shape("8192x8192x8192", world)]
+    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
+        for shape in shapes:
+            result = pool.run("program_jobs:run_program_check", workload="gemm-allgather", program="seed", shape_text=shape.label,
+                              seed=7, calls=3, config=config)
+            assert result.ok, f"seed {config} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"] and value["error"] < wl.tolerance(), f"seed {config} {shape}: {value}"

@@ -87,17 +87,28 @@ def test_template_rejects_what_it_does_not_implement():
     seed = TEMPLATE.seed_directives()
     assert TEMPLATE.check(seed, 4) == []
     cases = {
-        "backend ce": (dict(backend="ce", comm_ctas=0, issuer="thread"), "implements backend lsa only"),
         "fused": (dict(placement="fused"), "implements placement split only"),
         "triton": (dict(language="triton"), "implements language cuda only"),
-        "warp": (dict(issuer="warp"), "implements issuer cta only"),
+        "warp": (dict(issuer="warp"), "implements issuer in cta, thread only"),
+        "lsa by thread": (dict(issuer="thread"), "issuer cta only, not 'thread'"),
         "knob": (dict(knobs={"order": "ring"}), "knob order='ring' is not one of"),
     }
     for name, (changes, reason) in cases.items():
         assert any(reason in w for w in TEMPLATE.check(seed.with_(**changes), 4)), name
-    with pytest.raises(ValueError, match="backend lsa only"):
+    with pytest.raises(ValueError, match="backend in lsa, ce only"):
         TEMPLATE.render(seed.with_(backend="gin"), SHAPE, 4)
     assert "no knob 'extra'" in " ".join(TEMPLATE.unsupported(seed.with_(knobs={"extra": 1})))
+
+
+def test_template_renders_the_copy_engine_backend():
+    """backend ce: comm CTAs 0 and issuer thread (the space's rules) render the seed's ce path."""
+    from commweave.evaluate.program import load_program
+
+    ce = TEMPLATE.seed_directives().with_(backend="ce", comm_ctas=0, issuer="thread")
+    assert TEMPLATE.check(ce, 4) == []
+    config = load_program(TEMPLATE.render(ce, SHAPE, 4)).CONFIG
+    assert (config["backend"], config["comm_ctas"]) == ("ce", 0)
+    assert load_program(TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)).CONFIG["backend"] == "lsa"
 
 
 def test_chunk_bytes_become_chunks_per_shard():

@@ -212,6 +212,18 @@ class RankContext:
             self._peer_ptr_cache[key] = [int(x) for x in out.tolist()]
         return self._peer_ptr_cache[key]
 
+    def peer_tensor(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """`tensor`'s counterpart in `rank`'s window, as a tensor of this device (same shape and
+        dtype, contiguous `tensor` only): for copies a copy engine makes over NVLink (`copy_` on a
+        side stream), with no kernel of ours involved."""
+        if not tensor.is_contiguous():
+            raise ValueError("peer_tensor() needs a contiguous tensor")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a world of {self.world_size}")
+        ptr = self.peer_ptrs(tensor)[rank]
+        nbytes = tensor.numel() * tensor.element_size()
+        return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=self.device).view(tensor.dtype).view(tensor.shape)
+
     # -- device communicators -------------------------------------------------------------------
     def dev_comm(self, lsa_barriers: int = 1, gin_signals: int = 0, gin_counters: int = 0) -> DevComm:
         """A device communicator for this candidate (collective). `lsa_barriers` = how many CTAs

@@ -150,6 +150,20 @@ class Module:
         return self.kernel(name)
 
 
+def stream_write(address: int, value: int, stream: Any = None) -> None:
+    """Queue on `stream` (default: torch's current) a write of the 64-bit `value` to `address`
+    (a local or a peer's mapped word), after everything queued before it has completed.
+
+    A stream memory operation with the default memory barrier, so a peer that sees the value
+    (`stream_wait_geq`) also sees the data earlier copies on this stream wrote. No kernel, no SM."""
+    import torch
+
+    drv = _driver()
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    _check(drv.cuStreamWriteValue64(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(address), drv.cuuint64_t(value),
+                                    int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)), "cuStreamWriteValue64")
+
+
 def stream_wait_geq(address: int, value: int, stream: Any = None) -> None:
     """Block `stream` (default: torch's current) until the 64-bit word at `address` is >= `value`.
 

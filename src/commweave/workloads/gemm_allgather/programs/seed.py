@@ -19,16 +19,24 @@ before its previous call (reset included) is done, which also guarantees nobody 
 `a_full` when it is overwritten. Targets are constant, so a whole call can be captured once as a
 CUDA graph and replayed: one launch instead of ~10 Python-issued ones (graphs are cached by the
 tensors' addresses, which the graph bakes in).
+
+Backend "ce" (copy engines, no SMs for communication): the side stream runs a one-CTA LSA barrier
+(the same guarantee as the push kernel's opening barrier), then per peer and chunk a `copy_` of the
+shard's rows into the peer's `a_full` through its mapped address (`ctx.peer_tensor`: a device-to-
+device memcpy the driver gives a copy engine) followed by a stream write of 1 into the peer's
+counter (`stream_write`: after the copy completes, with a memory barrier). Targets are then 1 per
+piece, and `comm_ctas` is 0 (no carve-out).
 """
 
 import torch
 
 from commweave.runtime.graphs import CallGraphs
-from commweave.runtime.launch import stream_wait_geq
+from commweave.runtime.launch import stream_wait_geq, stream_write
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
-    comm_ctas=8,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight)
+    backend="lsa",  # "lsa": the push kernel's NVLink stores; "ce": copy-engine copies + stream-written flags
+    comm_ctas=8,  # CTAs of the push kernel (SMs taken from the GEMMs while A is in flight); 0 with "ce"
     threads=512,  # threads per push CTA
     chunks=1,  # pieces per shard: more overlap, but more (smaller, less efficient) GEMMs
     order="staggered",  # "staggered": one peer per phase, shards arrive in turn; "broadcast": all at once
@@ -168,6 +176,13 @@ extern "C" __global__ void cw_ag_push(const char* a_local, ncclWindow_t a_win, s
   }
 }
 
+// Backend ce: every rank's GPU meets here before the copy engines overwrite peers' a_full, so no
+// peer still reads it or has yet to reset its counters (as the push kernel's opening barrier).
+extern "C" __global__ void cw_ag_barrier(ncclDevComm dc) {
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dc, ncclTeamLsa(dc), dc.lsaBarrier, blockIdx.x};
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+}
+
 // Blocks its stream until flags[index] >= target; kernels queued after it see the chunk's data.
 extern "C" __global__ void cw_ag_wait(unsigned long long* flags, long long index, unsigned long long target) {
   cw_flag flag(flags[index]);
@@ -196,20 +211,29 @@ def setup(ctx, shape):
         raise ValueError(f"CONFIG['wait'] must be 'kernel' or 'stream', not {CONFIG['wait']!r}")
     if CONFIG["order"] not in ("staggered", "broadcast"):
         raise ValueError(f"CONFIG['order'] must be 'staggered' or 'broadcast', not {CONFIG['order']!r}")
+    if CONFIG["backend"] not in ("lsa", "ce"):
+        raise ValueError(f"CONFIG['backend'] must be 'lsa' or 'ce', not {CONFIG['backend']!r}")
+    ce = CONFIG["backend"] == "ce"
+    if (ctas != 0) if ce else (ctas < 1):
+        raise ValueError(f"CONFIG comm_ctas={ctas}: backend {CONFIG['backend']} needs " + ("0 (copy engines use no SMs)" if ce else "at least 1"))
     if world - 1 > 7:
         raise ValueError(f"the push kernel addresses at most 7 peers, not {world - 1}")
     a_full = ctx.symmetric((m, k), torch.bfloat16)
     flags = ctx.symmetric((world * chunks,), torch.int64)
-    dc = ctx.dev_comm(lsa_barriers=ctas)
+    dc = ctx.dev_comm(lsa_barriers=max(ctas, 1))
     if dc.lsa_size != world or dc.lsa_rank != rank:
         raise RuntimeError(f"all {world} ranks must share one NVLink (LSA) domain; lsa size {dc.lsa_size}, lsa rank {dc.lsa_rank}")
     module = ctx.compile(CUDA_SRC, "gemm_allgather_seed")
+    peers = [(rank + j) % world for j in range(1, world)]
     return {
         "a_full": a_full, "flags": flags, "dc": dc,
         "a_win": ctx.window(a_full), "flag_win": ctx.window(flags),
-        "push": module.kernel("cw_ag_push"), "wait": module.kernel("cw_ag_wait"),
+        "push": module.kernel("cw_ag_push"), "wait": module.kernel("cw_ag_wait"), "barrier": module.kernel("cw_ag_barrier"),
         "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
-        "rows": m // world, "chunks": chunks, "ctas": ctas,
+        "rows": m // world, "chunks": chunks, "ctas": ctas, "target": 1 if ce else ctas,
+        # backend ce: each peer's a_full and counters, addressed from here
+        "peer_a": {p: ctx.peer_tensor(a_full, p) for p in peers} if ce else {},
+        "peer_flags": {p: ctx.peer_ptrs(flags)[p] for p in peers} if ce else {},
     }
 
 
@@ -228,10 +252,13 @@ def _call(ctx, state, inputs, out):
     main, comm = torch.cuda.current_stream(ctx.device), state["stream"]
 
     comm.wait_stream(main)  # this rank's previous GEMMs and counter reset are done
-    state["push"].launch(state["ctas"], CONFIG["threads"], [
-        a, state["a_win"], state["a_win"].offset, state["flag_win"], state["flag_win"].offset,
-        state["rows"], row_bytes, state["chunks"], int(CONFIG["order"] == "staggered"), state["dc"],
-    ], stream=comm)
+    if CONFIG["backend"] == "ce":
+        _copy_engine_push(ctx, state, a, comm)
+    else:
+        state["push"].launch(state["ctas"], CONFIG["threads"], [
+            a, state["a_win"], state["a_win"].offset, state["flag_win"], state["flag_win"].offset,
+            state["rows"], row_bytes, state["chunks"], int(CONFIG["order"] == "staggered"), state["dc"],
+        ], stream=comm)
 
     if CONFIG["carveout"]:
         # Process-wide torch state: set only while this call's GEMMs are queued, then restored.
@@ -249,13 +276,30 @@ def _call(ctx, state, inputs, out):
     main.wait_stream(comm)
 
 
+def _copy_engine_push(ctx, state, a, comm):
+    """Backend ce: barrier, then per piece a copy-engine copy into the peer and a flag write."""
+    world, rank, rows, chunks = ctx.world_size, ctx.rank, state["rows"], state["chunks"]
+    state["barrier"].launch(1, 32, [state["dc"]], stream=comm)
+    if CONFIG["order"] == "staggered":
+        pieces = [(j, c) for j in range(1, world) for c in range(chunks)]
+    else:
+        pieces = [(j, c) for c in range(chunks) for j in range(1, world)]
+    with torch.cuda.stream(comm):
+        for j, c in pieces:
+            peer = (rank + j) % world
+            r0, r1 = chunk_begin(rows, chunks, c), chunk_begin(rows, chunks, c + 1)
+            if r1 > r0:
+                state["peer_a"][peer][rank * rows + r0:rank * rows + r1].copy_(a[r0:r1])
+            stream_write(state["peer_flags"][peer] + 8 * (rank * chunks + c), 1, comm)
+
+
 def _gemms(ctx, state, inputs, out, main):
     """Local shard first, then each remote piece as its flag arrives."""
     a, b = inputs["a"], inputs["b"]
     world, rank, rows, chunks = ctx.world_size, ctx.rank, state["rows"], state["chunks"]
     own = slice(rank * rows, (rank + 1) * rows)
     torch.matmul(a, b, out=out[own])
-    target = state["ctas"]
+    target = state["target"]
     # Arrival order: staggered sends shards in turn from rank - 1, rank - 2, ...; broadcast sends
     # chunk c of every shard before chunk c + 1.
     if CONFIG["order"] == "staggered":
