@@ -180,7 +180,17 @@ def merge_two(out: torch.Tensor, out_a: torch.Tensor, lse_a: torch.Tensor, out_b
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """`merge_partials` written into the float32 accumulators (acc_out, acc_lse), which may be
-    views (e.g. one zigzag half of a rank's rows). Start them at 0 and -inf."""
+    views (e.g. one zigzag half of a rank's rows). Start them at 0 and -inf. On CUDA one Triton
+    kernel reads and writes the accumulators once (the torch merge is ~8 passes)."""
+    if out.shape != acc_out.shape or lse.shape != acc_lse.shape or out.shape[:-1] != lse.shape:
+        raise ValueError(f"cannot merge out {tuple(out.shape)}/lse {tuple(lse.shape)} into "
+                         f"accumulators {tuple(acc_out.shape)}/{tuple(acc_lse.shape)}")
+    if (acc_out.is_cuda and acc_out.dim() == 3 and acc_out.dtype == acc_lse.dtype == torch.float32
+            and all(t.stride(-1) == 1 for t in (acc_out, out))):
+        from commweave.workloads.attention_cp.merge_kernel import merge_into_acc
+
+        merge_into_acc(acc_out, acc_lse, out, lse)
+        return
     merged, merged_lse = merge_partials(acc_out, acc_lse, out, lse)
     acc_out.copy_(merged)
     acc_lse.copy_(merged_lse)
