@@ -39,13 +39,21 @@ every finite FP32 input; with a single scale and the transform on, for |x| <= FP
 (about 1.5e37 at G=512: the transform sees the raw values). Non-finite inputs are not supported
 (they propagate).
 
-Works on CPU and on CUDA tensors alike (pure torch); fused kernels are to replace it on GPUs.
+Sums (the RMS's sum of squares, the adaptive mode's L2 errors) are pairwise in a fixed order
+(`_pairwise_sum`: halves added, log2(G) times), not torch's unspecified reduction order, and the
+RMS's square root is correctly rounded (`_sqrt_rn`), so that the fused Triton kernels
+(`kernels.py`) can reproduce every bit of this reference.
+
+Works on CPU and on CUDA tensors alike (pure torch). `compress(..., impl="triton")` and
+`decompress(..., impl="triton")` run the fused Triton kernels instead (CUDA tensors compiled; CPU
+tensors only under TRITON_INTERPRET=1, Triton's interpreter); the reference stays the default.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -54,6 +62,7 @@ FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.ite
 TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_GROUP, MAX_GROUP = 32, 512
 _SQRT_HALF = math.sqrt(0.5)
+Impl = Literal["reference", "triton"]
 
 
 @dataclass(frozen=True)
@@ -162,18 +171,49 @@ def _groups(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
     return flat.view(groups, cfg.group_size)
 
 
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Row sums of a (rows, 2^k) tensor in a fixed order (first half + second half, repeated), the
+    order the Triton kernels use, so both give the same bits."""
+    while t.shape[1] > 1:
+        half = t.shape[1] // 2
+        t = t[:, :half] + t[:, half:]
+    return t[:, 0]
+
+
+def _sqrt_rn(m: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 square root of non-negative FP32 `m`. torch's own sqrt is not on CPU
+    (torch 2.13: ~20 % of FP32 results 1 ulp off), and the kernels' sqrt_rn is: a FP64 estimate
+    rounded to FP32 is within an ulp; it moves to the neighbour whose rounding interval holds m
+    (the squares of FP32 midpoints, 25-bit numbers, are exact in FP64)."""
+    md = m.double()
+    r = md.sqrt().float()
+    up = torch.nextafter(r, torch.full_like(r, math.inf))
+    down = torch.nextafter(r, torch.zeros_like(r))
+    hi = (r.double() + up.double()) / 2
+    lo = (r.double() + down.double()) / 2
+    r = torch.where(hi * hi < md, up, r)
+    return torch.where(lo * lo > md, down, r)
+
+
 def _rms(g: torch.Tensor) -> torch.Tensor:
     """Per-row RMS without overflow (|x| up to FP32 max) or underflow to zero for nonzero rows."""
     absmax = g.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    rms = safe * (g / safe[:, None]).square().mean(dim=1).sqrt()
+    rms = safe * _sqrt_rn(_pairwise_sum((g / safe[:, None]).square()) / g.shape[1])
     # a row of tiny subnormals can round its RMS to zero: fall back to its absmax, and to 1 for zeros
     return torch.where(rms > 0, rms, safe)
 
 
-def compress(x: torch.Tensor, cfg: QuantConfig | None = None) -> Compressed:
-    """Compress `x` (any shape, floating point) to FP8 groups with their scales."""
+def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "reference") -> Compressed:
+    """Compress `x` (any shape, floating point) to FP8 groups with their scales.
+
+    impl="triton" runs the fused kernel (same bits as this reference; see kernels.py)."""
     cfg = cfg or QuantConfig()
+    if impl == "triton":
+        from commweave.taco import kernels
+        return kernels.compress(x, cfg)
+    if impl != "reference":
+        raise ValueError(f"impl must be 'reference' or 'triton', got {impl!r}")
     if not x.is_floating_point():
         raise TypeError(f"compress needs a floating-point tensor, got {x.dtype}")
     g = _groups(x, cfg)
@@ -184,8 +224,8 @@ def compress(x: torch.Tensor, cfg: QuantConfig | None = None) -> Compressed:
     if cfg.hadamard == "adaptive":
         q_t, s_t = _quantize(fwht(_saturating_cast(g, cfg.transform_input_dtype)), cfg)
         q_p, s_p = _quantize(g, cfg)
-        err_t = (fwht(q_t.float() * s_t[:, None]) - g).square().sum(dim=1)
-        err_p = (q_p.float() * s_p[:, None] - g).square().sum(dim=1)
+        err_t = _pairwise_sum((fwht(q_t.float() * s_t[:, None]) - g).square())
+        err_p = _pairwise_sum((q_p.float() * s_p[:, None] - g).square())
         use_t = err_t < err_p
         q = torch.where(use_t[:, None], q_t.view(torch.uint8), q_p.view(torch.uint8)).view(cfg.fp8_dtype)
         return Compressed(q, torch.where(use_t, -s_t, s_p), pre, x.shape, x.dtype, cfg)
@@ -206,8 +246,15 @@ def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
-def decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from)."""
+def decompress(c: Compressed, dtype: torch.dtype | None = None, impl: Impl = "reference") -> torch.Tensor:
+    """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from).
+
+    impl="triton" runs the fused kernel (same bits as this reference; see kernels.py)."""
+    if impl == "triton":
+        from commweave.taco import kernels
+        return kernels.decompress(c, dtype)
+    if impl != "reference":
+        raise ValueError(f"impl must be 'reference' or 'triton', got {impl!r}")
     if c.config.hadamard == "adaptive":  # a negative scale marks a transformed group
         g = c.payload.float() * c.scale.abs()[:, None]
         transformed = c.scale < 0
