@@ -11,15 +11,11 @@ remote blocks, and the fused merge. Writes a results JSON (report.results.write_
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from commweave.report.results import write_results
-from gpu_timer import median_us  # bench/ is on sys.path when a probe runs as a script
+from gpu_timer import median_us, probe_main  # bench/ is on sys.path when a probe runs as a script
 from commweave.workloads.attention_cp.attention import attention_with_lse, merge_two
 
 CASES = [(32768, 4, 32, 8, 128, False), (32768, 2, 32, 8, 128, False), (131072, 4, 32, 8, 128, False),
@@ -56,20 +52,7 @@ def _probe(seq: int, world: int, hq: int, hkv: int, d: int, causal: bool, iters:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = parser.parse_args()
-    rows = [_probe(*case, args.iters) for case in CASES]
-    path = write_results("probe-attention-blocks-1gpu", {"note": "per-rank attention pieces on one GPU, µs", "rows": rows},
-                         command=["python", "bench/probe_attention.py", *sys.argv[1:]], out_dir=args.out_dir)
-    keys = sorted({k for r in rows for k in r if k.endswith("_us")})
-    for r in rows:
-        print(r["case"], " ".join(f"{k[:-3]}={r[k]:.0f}" for k in keys if k in r))
-        for k in r:
-            if k.endswith("_error"):
-                print("  ", k, r[k])
-    print("results:", path)
+    probe_main(__doc__, "probe-attention-blocks-1gpu", "per-rank attention pieces on one GPU, µs", CASES, _probe)
 
 
 if __name__ == "__main__":

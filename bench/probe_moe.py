@@ -12,15 +12,11 @@ pre-transposed contiguous ([E, H, 2I]); the SwiGLU element-wise part. Writes a r
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from commweave.report.results import write_results
-from gpu_timer import median_us  # bench/ is on sys.path when a probe runs as a script
+from gpu_timer import median_us, probe_main  # bench/ is on sys.path when a probe runs as a script
 
 H, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8
 CASES = [(4096, 2), (4096, 4), (128, 4)]  # (tokens per rank, world)
@@ -63,16 +59,7 @@ def _probe(tokens: int, world: int, iters: int) -> dict[str, float | str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    args = parser.parse_args()
-    rows = [_probe(t, w, args.iters) for t, w in CASES]
-    path = write_results("probe-moe-experts-1gpu", {"note": "per-rank expert compute on one GPU, µs", "rows": rows},
-                         command=["python", "bench/probe_moe.py", *sys.argv[1:]], out_dir=args.out_dir)
-    for r in rows:
-        print(r["case"], " ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "case"))
-    print("results:", path)
+    probe_main(__doc__, "probe-moe-experts-1gpu", "per-rank expert compute on one GPU, µs", CASES, _probe)
 
 
 if __name__ == "__main__":

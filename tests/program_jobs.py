@@ -49,3 +49,26 @@ def program_availability(ctx, workload: str) -> dict[str, str | None]:
         module = load_program(wl.program_text(name), name)
         reasons[name] = module.available(ctx) if hasattr(module, "available") else None
     return reasons
+
+
+def check_on_gpus(workload: str, program: str, world: int, shape_texts: list[str], seed: int,
+                  config: dict | None = None, calls: int = 3) -> None:
+    """The GPU tests' common body (called from the test process, not a job): skip without `world`
+    GPUs, else `run_program_check` on each shape in a CUDA pool, asserting success, untouched
+    inputs and an error under the workload's tolerance."""
+    import pytest
+
+    from commweave.runtime import WorkerPool
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    tolerance = get_workload(workload).tolerance()
+    what = f"{program}{' ' + str(config) if config else ''}"
+    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
+        for shape in shape_texts:
+            result = pool.run("program_jobs:run_program_check", workload=workload, program=program, shape_text=shape,
+                              seed=seed, calls=calls, config=config)
+            assert result.ok, f"{what} {shape}: {result.first_failure()}"
+            for value in result.values:
+                assert value["inputs_intact"], f"{what} {shape} modified its inputs"
+                assert value["error"] < tolerance, f"{what} {shape}: error {value['error']:.3g}"

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_host import run_host_check, toolchain_or_skip
+from program_jobs import check_on_gpus
 from commweave.evaluate.program import load_program, parse_program
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
@@ -506,17 +507,8 @@ def test_host_programs_on_cpu(wl: AttentionCP, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_program_on_gpus(wl: AttentionCP, program: str, world: int) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    shapes = [*wl.check_shapes(world), wl.parse_shape("cuco-s4096-d64-causal", world),
-              wl.parse_shape("s16384-q32kv8-d128-full", world)]
-    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
-        for shape in shapes:
-            result = pool.run("program_jobs:run_program_check", workload="attention-cp", program=program, shape_text=shape.label, seed=5, calls=3)
-            assert result.ok, f"{program} {shape}: {result.first_failure()}"
-            for value in result.values:
-                assert value["inputs_intact"], f"{program} {shape} modified its inputs"
-                assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+    check_on_gpus("attention-cp", program, world, [*(s.label for s in wl.check_shapes(world)), "cuco-s4096-d64-causal",
+                                                    "s16384-q32kv8-d128-full"], seed=5)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cuda_host import run_host_check, toolchain_or_skip
+from program_jobs import check_on_gpus
 from commweave.evaluate.program import parse_program
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
@@ -222,16 +223,7 @@ def test_device_programs_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_program_on_gpus(wl: GemmAllGather, program: str, world: int) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    shapes = [*wl.check_shapes(world), wl.parse_shape("8192x8192x8192", world)]
-    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
-        for shape in shapes:
-            result = pool.run("program_jobs:run_program_check", workload="gemm-allgather", program=program, shape_text=shape.label, seed=5, calls=3)
-            assert result.ok, f"{program} {shape}: {result.first_failure()}"
-            for value in result.values:
-                assert value["inputs_intact"], f"{program} {shape} modified its inputs"
-                assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+    check_on_gpus("gemm-allgather", program, world, [*(s.label for s in wl.check_shapes(world)), "8192x8192x8192"], seed=5)
 
 
 @pytest.mark.gpu
@@ -240,13 +232,5 @@ def test_program_on_gpus(wl: GemmAllGather, program: str, world: int) -> None:
                                     dict(backend="ce", comm_ctas=0, graph=False, wait="stream")])
 def test_seed_copy_engine_backend_on_gpus(wl: GemmAllGather, world: int, config: dict) -> None:
     """backend ce: copy-engine copies into peers' windows, flags written by the stream."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    shapes = [*wl.check_shapes(world), wl.parse_shape("8192x8192x8192", world)]
-    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
-        for shape in shapes:
-            result = pool.run("program_jobs:run_program_check", workload="gemm-allgather", program="seed", shape_text=shape.label,
-                              seed=7, calls=3, config=config)
-            assert result.ok, f"seed {config} {shape}: {result.first_failure()}"
-            for value in result.values:
-                assert value["inputs_intact"] and value["error"] < wl.tolerance(), f"seed {config} {shape}: {value}"
+    check_on_gpus("gemm-allgather", "seed", world, [*(s.label for s in wl.check_shapes(world)), "8192x8192x8192"], seed=7,
+                  config=config)

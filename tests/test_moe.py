@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_host import run_host_check, toolchain_or_skip
+from program_jobs import check_on_gpus
 from commweave.evaluate.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
@@ -480,16 +481,7 @@ def test_seed_unavailable_on_cpu(cpu_pool: WorkerPool) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_program_on_gpus(wl: MoELayer, program: str, world: int) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]
-    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
-        for shape in shapes:
-            result = pool.run("program_jobs:run_program_check", workload="moe", program=program, shape_text=shape.label, seed=5, calls=3)
-            assert result.ok, f"{program} {shape}: {result.first_failure()}"
-            for value in result.values:
-                assert value["inputs_intact"], f"{program} {shape} modified its inputs"
-                assert value["error"] < wl.tolerance(), f"{program} {shape}: error {value['error']:.3g}"
+    check_on_gpus("moe", program, world, [*(s.label for s in wl.check_shapes(world)), "dsv3-T128"], seed=5)
 
 
 def test_cascade_on_cpu(wl: MoELayer, cpu_pool: WorkerPool) -> None:
@@ -543,13 +535,4 @@ def test_template(wl: MoELayer) -> None:
 def test_seed_variants_on_gpus(wl: MoELayer, world: int, config: dict) -> None:
     """The torch SwiGLU, few CTAs (many rows per warp) and the stream-wait path, on the check
     shapes and decode at full size."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    shapes = [*wl.check_shapes(world), wl.parse_shape("dsv3-T128", world)]
-    with WorkerPool(world, device="cuda", job_timeout_s=300) as pool:
-        for shape in shapes:
-            result = pool.run("program_jobs:run_program_check", workload="moe", program="seed", shape_text=shape.label, seed=9, calls=3,
-                              config=config)
-            assert result.ok, f"seed {config} {shape}: {result.first_failure()}"
-            for value in result.values:
-                assert value["inputs_intact"] and value["error"] < wl.tolerance(), f"seed {config} {shape}: {value}"
+    check_on_gpus("moe", "seed", world, [*(s.label for s in wl.check_shapes(world)), "dsv3-T128"], seed=9, config=config)
