@@ -290,7 +290,7 @@ def run(ctx, state, inputs, out):
             raise ValueError("the new K/V must be contiguous and 16-byte aligned")
         if kv.shape[0] != out.shape[0] or kv.shape[3:] != out.shape[4:]:
             raise ValueError(f"kv {tuple(kv.shape)} does not match the cache {tuple(out.shape)} (layers, KV heads, head dim)")
-    if CONFIG["graph"]:
+    if CONFIG["graph"] and (CONFIG["communicate"] or state["is_src"]):  # (the idle decode side: an empty graph)
         state["graphs"](lambda: _call(ctx, state, inputs, out, win), [*inputs.values(), out])
     else:
         _call(ctx, state, inputs, out, win)
