@@ -121,3 +121,290 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
         "grad_b2": _rel(row.bias.grad, b2r.grad),
         "out_shape": list(y.shape),
     }
+
+
+# -- device backend (commweave.taco.device): an in-process node for CPU tests, GPU jobs ------------
+
+import threading  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from typing import Any, Callable, Hashable  # noqa: E402
+
+from commweave.taco.device import DeviceCollectives, ReferenceCodec  # noqa: E402
+from commweave.taco.quant import Compressed  # noqa: E402
+
+#: a case: (op, QuantConfig kwargs, shape, dtype name, seed); op in all_gather, reduce_scatter,
+#: one_shot, two_shot. Plain tuples so they travel to the workers.
+Case = tuple[str, dict, tuple[int, ...], str, int]
+
+
+def case_input(case: Case, world: int, rank: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Rank `rank`'s input for `case` (shape with "W" in dim 0 scaled by the world: see cases)."""
+    _, _, shape, dtype, seed = case
+    shape = tuple(world * s if i == 0 and case[0] == "reduce_scatter" else s for i, s in enumerate(shape))
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(shape, generator=gen) * torch.logspace(-3, 2, shape[-1])  # columns of 1e-3..1e2
+    flat = x.view(-1)
+    flat[rank :: 97] = 0.0
+    flat[rank :: 131] *= -0.0  # some signed zeros: the sums must keep them as the reference does
+    return x.to(getattr(torch, dtype)).to(device)
+
+
+def run_case(call: Callable[[str, torch.Tensor, QuantConfig], torch.Tensor], case: Case, world: int, rank: int,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+    return call(case[0], case_input(case, world, rank, device), QuantConfig(**case[1]))
+
+
+def reference_call(op: str, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """The reference backend over the default process group (gloo on CPU, NCCL on CUDA)."""
+    if op in ("one_shot", "two_shot"):
+        return cc.all_reduce(x, cfg, op, backend="reference")
+    return getattr(cc, op)(x, cfg, backend="reference")
+
+
+def device_call(coll: Any) -> Callable[[str, torch.Tensor, QuantConfig], torch.Tensor]:
+    def call(op: str, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+        if op in ("one_shot", "two_shot"):
+            return coll.all_reduce(x, cfg, op)
+        return getattr(coll, op)(x, cfg)
+    return call
+
+
+def reference_results(ctx, cases: list[Case]) -> list[torch.Tensor]:
+    """This rank's reference-backend result for each case (the expectation of the device backend)."""
+    return [run_case(reference_call, case, ctx.world_size, ctx.rank) for case in cases]
+
+
+class FakeNode:
+    """W ranks in one process (one thread each): every rank's buffers in one dict, a threading
+    barrier, and a log of who wrote / read whose buffer in which barrier epoch, from which
+    `hazards()` finds missing barriers whatever the threads' timing."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._barrier = threading.Barrier(world)
+        self._lock = threading.Lock()
+        self.buffers: dict[tuple[int, Hashable], torch.Tensor] = {}
+        self.allocations: dict[int, list[tuple[Hashable, int]]] = defaultdict(list)
+        self.events: list[tuple[str, int, int, Hashable, int]] = []  # (kind, actor, owner, key, epoch)
+
+    def owner_of(self, t: torch.Tensor) -> tuple[int, Hashable]:
+        ptr = t.data_ptr()
+        with self._lock:
+            for (rank, key), buf in self.buffers.items():
+                if buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel():
+                    return rank, key
+        raise AssertionError("not a node buffer")
+
+    def log(self, kind: str, actor: int, t: torch.Tensor, epoch: int) -> None:
+        owner, key = self.owner_of(t)
+        with self._lock:
+            self.events.append((kind, actor, owner, key, epoch))
+
+    def hazards(self) -> list[str]:
+        """A peer reading a buffer in the epoch its owner writes it (no barrier between: a race), or
+        reading what was never written before its epoch."""
+        writes: dict[tuple[int, Hashable], set[int]] = defaultdict(set)
+        for kind, _, owner, key, epoch in self.events:
+            if kind == "write":
+                writes[(owner, key)].add(epoch)
+        found = []
+        for kind, actor, owner, key, epoch in self.events:
+            if kind == "read" and actor != owner:
+                if epoch in writes[(owner, key)]:
+                    found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch}, when it is written")
+                if not any(w < epoch for w in writes[(owner, key)]):
+                    found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch}, before any write")
+        return found
+
+
+class FakeTransport:
+    """One simulated rank's view of a FakeNode (the Transport protocol)."""
+
+    def __init__(self, node: FakeNode, rank: int):
+        self.node, self.rank, self.world_size, self.device = node, rank, node.world, torch.device("cpu")
+        self.epoch = 0
+        self._keys: dict[int, Hashable] = {}
+
+    def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        node = self.node
+        with node._lock:
+            node.allocations[self.rank].append((key, nbytes))
+            if (self.rank, key) not in node.buffers:  # garbage, not zeros: reading unwritten bytes shows
+                node.buffers[(self.rank, key)] = torch.full((nbytes,), 0x7F, dtype=torch.uint8)
+            buf = node.buffers[(self.rank, key)]
+        self._keys[buf.data_ptr()] = key
+        return buf
+
+    def peer(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
+        with self.node._lock:
+            return self.node.buffers[(rank, self._keys[buf.data_ptr()])]
+
+    def barrier(self) -> None:
+        self.epoch += 1
+        self.node._barrier.wait(timeout=60)
+
+
+class TracingCodec:
+    """A codec that logs its writes and reads of node buffers (for FakeNode.hazards)."""
+
+    def __init__(self, codec: Any, transport: FakeTransport):
+        self.codec, self.t = codec, transport
+
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+        self.t.node.log("write", self.t.rank, buf, self.t.epoch)
+        self.codec.compress_into(x, cfg, buf)
+
+    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+        self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+        self.codec.decompress_into(c, out)
+
+    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+        self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+        self.codec.accumulate(c, acc)
+
+
+def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
+             codec: Any = None) -> tuple[list[Any], FakeNode]:
+    """Run body(collectives, rank) for W simulated ranks in threads; their results and the node.
+    An exception on one rank breaks the barrier (the others fail too) and is re-raised."""
+    node = FakeNode(world)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        t = FakeTransport(node, rank)
+        try:
+            results[rank] = body(DeviceCollectives(t, TracingCodec(codec or ReferenceCodec(), t), double_buffer), rank)
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+            node._barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+    return results, node
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bits (-0.0 != +0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False) -> dict:
+    """On CUDA: the device backend against the reference backend over NCCL (bit for bit), against
+    the CPU simulation with the reference codec (bit for bit), and identical across ranks."""
+    from commweave.taco.device import DeviceBackend
+
+    world, rank = ctx.world_size, ctx.rank
+    backend = DeviceBackend(ctx, double_buffer=double_buffer)
+    sim, _ = simulate(world, lambda coll, r: [run_case(device_call(coll), c, world, r) for c in cases])
+    out: dict[str, Any] = {"mismatches": [], "cases": len(cases)}
+    for i, case in enumerate(cases):
+        dev = run_case(device_call(backend), case, world, rank, ctx.device)
+        ref = run_case(reference_call, case, world, rank, ctx.device)
+        torch.cuda.synchronize()
+        first = dev.clone()
+        dist.broadcast(first, src=0)
+        for what, ok, other in (("reference over NCCL", same_bits(dev, ref), ref),
+                                ("CPU simulation", same_bits(dev.cpu(), sim[rank][i]), sim[rank][i].to(dev.device)),
+                                ("rank 0", same_bits(dev, first), first)):
+            if not ok:
+                diff = float((dev.float() - other.float()).abs().max()) if dev.shape == other.shape else float("nan")
+                out["mismatches"].append(f"case {i} {case}: differs from {what} (max |diff| {diff:.3g})")
+    backend.close()
+    ctx.end_candidate()
+    return out
+
+
+def _median_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def device_bandwidth_gpu(ctx, mibs: tuple[int, ...] = (16, 256), double_buffer: bool = False) -> list[dict]:
+    """Algorithm bandwidth (message bytes / median time; message = the full BF16 tensor: all-gather's
+    output, reduce-scatter's input, all-reduce's tensor) of the device backend (E4M3, G=128, TACO's
+    defaults) against plain NCCL BF16 on the same ranks."""
+    from commweave.taco.device import DeviceBackend
+
+    world = ctx.world_size
+    backend = DeviceBackend(ctx, double_buffer=double_buffer)
+    cfg = QuantConfig(128)
+    rows = []
+    for mib in mibs:
+        n = (mib << 20) // 2
+        full = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
+        shard = full[: n // world].clone()
+        iters = 20 if mib <= 16 else 8
+        ops = {
+            "all_gather": (lambda: backend.all_gather(shard, cfg), lambda: cc.all_gather(shard)),
+            "reduce_scatter": (lambda: backend.reduce_scatter(full, cfg), lambda: cc.reduce_scatter(full)),
+            "all_reduce_one_shot": (lambda: backend.all_reduce(full, cfg, "one_shot"), lambda: cc.all_reduce(full)),
+            "all_reduce_two_shot": (lambda: backend.all_reduce(full, cfg, "two_shot"), lambda: cc.all_reduce(full)),
+        }
+        for name, (dev_fn, nccl_fn) in ops.items():
+            ctx.barrier()
+            dev_ms = _median_ms(dev_fn, iters)
+            ctx.barrier()
+            nccl_ms = _median_ms(nccl_fn, iters)
+            nbytes = n * 2
+            rows.append({"op": name, "mib": mib, "world": world, "device_ms": dev_ms, "nccl_ms": nccl_ms,
+                         "device_GBps": nbytes / dev_ms / 1e6, "nccl_GBps": nbytes / nccl_ms / 1e6,
+                         "speedup": nccl_ms / dev_ms})
+    backend.close()
+    ctx.end_candidate()
+    return rows
+
+
+class SerializedCodec:
+    """A codec whose calls run one at a time across the simulated ranks' threads (Triton's
+    interpreter patches triton.language while it runs a kernel: not thread-safe)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, codec: Any):
+        self.codec = codec
+
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+        with self._lock:
+            self.codec.compress_into(x, cfg, buf)
+
+    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+        with self._lock:
+            self.codec.decompress_into(c, out)
+
+    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+        with self._lock:
+            self.codec.accumulate(c, acc)
+
+
+def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:
+    """In a process whose Triton interprets (TRITON_INTERPRET=1): the algorithms with the Triton
+    kernels (KernelCodec, interpreted) against the same with the reference codec; mismatches."""
+    from commweave.taco.device import KernelCodec
+
+    def body(coll, r):
+        return [run_case(device_call(coll), c, world, r) for c in cases]
+
+    kernel, _ = simulate(world, body, codec=SerializedCodec(KernelCodec()))
+    ref, _ = simulate(world, body)
+    return [f"rank {r} case {i} {c}" for r in range(world) for i, c in enumerate(cases)
+            if not same_bits(kernel[r][i], ref[r][i])]

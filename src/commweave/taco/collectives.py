@@ -18,10 +18,10 @@ shot moves world-1 full messages per rank but needs one step; two-shot moves 2(w
 one message per rank in two steps); no number is assumed here.
 
 Backends: the functions dispatch on `backend` (default "reference", this module's host
-implementation). Device-initiated fused kernels (compress into the symmetric window, peers read
-payload and scales over NVLink and decompress) register under another name with
-register_backend() and must match the reference's results within quantization error; the GPU
-tests will compare them against it.
+implementation). "device" (`taco.device`, imported on first use) is the device-initiated one on
+CUDA: compress into a symmetric window, peers read payload and scales over NVLink and decompress,
+reducing in FP32 in the same rank order; with the fused kernels its results equal the reference's
+bit for bit. Others can be added with register_backend().
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def register_backend(name: str, backend: CollectiveBackend) -> None:
 
 
 def _backend(name: str) -> CollectiveBackend:
+    if name == "device" and name not in _BACKENDS:
+        import commweave.taco.device  # noqa: F401  (registers itself; triton only at its first call)
     try:
         return _BACKENDS[name]
     except KeyError:

@@ -336,6 +336,17 @@ def decompress(c: Compressed, dtype: torch.dtype | None = None, round_in_fp32: b
     return out
 
 
+def decompress_into(c: Compressed, out: torch.Tensor, round_in_fp32: bool | None = None) -> torch.Tensor:
+    """`decompress` written into a caller's tensor (FP32/FP16/BF16, contiguous, c's element count):
+    the device collectives decompress each peer's slice straight into its place in the output."""
+    _check_dtype(out.dtype, "output")
+    if not out.is_contiguous() or out.numel() != c.numel:
+        raise ValueError(f"out must be a contiguous tensor of {c.numel} elements, got {tuple(out.shape)}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    _launch_decompress(c, out, False, round_in_fp32)
+    return out
+
+
 def decompress_accumulate(c: Compressed, acc: torch.Tensor) -> torch.Tensor:
     """acc += decompress(c) in FP32, in place, in one kernel (the reduction step of the compressed
     reduce-scatter / all-reduce); returns acc. Same bits as the reference's FP32 sum."""

@@ -1,0 +1,350 @@
+"""Device-initiated compressed collectives: the "device" backend of `taco.collectives`.
+
+On CUDA, within one node: each rank compresses into its own symmetric buffer (`kernels.
+compress_into` writes `quant.pack`'s layout into a uint8 window), an LSA barrier
+(`ctx.device_barrier()`) makes the bytes visible, then each rank reads its peers' payload and
+scales straight from their windows (`ctx.peer_tensor`: the Triton decompress kernels load peer
+memory over NVLink) and decompresses, reducing in FP32 (`kernels.decompress_accumulate`). No host
+round trip, no staging copy: everything is queued on the caller's current CUDA stream.
+
+Semantics are the reference backend's (`collectives.ReferenceBackend`), step for step: the same
+chunks compressed separately, the same FP32 sums in rank order 0..W-1 (first term decompressed,
+the rest accumulated), the same cast back to the input dtype, two-shot's same padding to whole
+groups per rank and requantization of the reduced chunk in the input dtype. With the fused kernels,
+which equal the reference bit for bit, the results are therefore bit-identical to the reference
+backend's (tolerance: none; the GPU test asserts equality), and identical on every rank.
+
+Structure (so the algorithm is testable without GPUs):
+  * `Transport`: where each rank's packed bytes live and how a peer's are read, plus the barrier.
+    `WindowTransport` is the real one (symmetric windows of a RankContext); the CPU tests use an
+    in-process fake that simulates W ranks as threads.
+  * `Codec`: compress into a buffer, decompress into a tensor, decompress-accumulate.
+    `KernelCodec` (Triton) on CUDA; `ReferenceCodec` (quant.py) for the CPU tests.
+  * `DeviceCollectives(transport, codec)`: the algorithms.
+
+Reuse of buffers, and why the barrier is lazy rather than a second barrier per call: a rank may
+overwrite its buffer only after every peer has finished reading the previous contents, i.e. after a
+barrier that all ranks passed behind those reads. Instead of a trailing barrier in every call, each
+buffer remembers the barrier count at which it was last read, and a write inserts a barrier first
+only if none has happened since. Two-shot's second phase and any later collective's barrier thus
+cover the previous reads for free (two-shot needs exactly its two barriers). Single-phase ops
+(all-gather, reduce-scatter, one-shot) called back to back would need a barrier before each write,
+i.e. two per call; `double_buffer=True` alternates two buffers by call parity per (op, shape, dtype,
+cfg), so the other call's barrier covers the reads: one barrier per call, at twice the symmetric
+memory. Default: single buffer (memory first; a barrier is a few microseconds, which matters only
+at latency-bound sizes; measure before switching). The rule is the same for both; the CPU tests
+check it with a hazard tracker.
+
+Collective: every call, and the first call per (op, shape, dtype, cfg) allocates symmetric buffers
+(`ctx.symmetric`, collective): all ranks make the same calls in the same order with the same
+shapes, dtypes and configs, as with any torch.distributed collective. Buffers are kept per
+(op, shape, dtype, cfg[, parity]) until `close()` (or the context's end_candidate / close).
+Calls on different CUDA streams are ordered by the transport (the later stream waits on the
+earlier one): the buffers are not torch allocations, so torch would not order them.
+
+Inputs: CUDA tensors on the context's device, FP32/FP16/BF16; reduce-scatter needs dim 0 divisible
+by the world size; the group must be the context's (the default process group). Anything else is a
+ValueError / TypeError saying which.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Hashable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from commweave.taco.collectives import AllReduceAlgo, register_backend
+from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Transport(Protocol):
+    """Where packed bytes live: one buffer per rank per key, peers' readable, and a barrier."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        """This rank's uint8 buffer of `nbytes` for `key`, made once (collective the first time)."""
+        ...
+
+    def peer(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
+        """`buf`'s counterpart in `rank`'s memory (rank == self.rank: buf itself), readable here."""
+        ...
+
+    def barrier(self) -> None:
+        """All ranks: writes issued before it are visible to reads issued after it, everywhere."""
+        ...
+
+
+class Codec(Protocol):
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None: ...
+    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None: ...
+    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None: ...
+
+
+class ReferenceCodec:
+    """quant.py's compress/decompress (torch; any device): the reference bits, for CPU tests."""
+
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+        buf.copy_(pack(compress(x, cfg)))
+
+    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+        out.copy_(decompress(c, out.dtype).view(out.shape))
+
+    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+        acc.add_(decompress(c, torch.float32).view(acc.shape))  # = collectives._sum_fp32's `total + d`
+
+
+class KernelCodec:
+    """The fused Triton kernels (bit for bit the reference); imported on first use (needs triton)."""
+
+    def __init__(self) -> None:
+        from commweave.taco import kernels
+
+        self._k = kernels
+
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+        self._k.compress_into(x, cfg, buf)
+
+    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+        self._k.decompress_into(c, out)
+
+    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+        self._k.decompress_accumulate(c, acc)
+
+
+def packed_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
+                cfg: QuantConfig) -> Compressed:
+    """A Compressed whose tensors are views of a packed buffer (no copy: `quant.unpack` clones the
+    scales, which for a peer's window would be an extra NVLink round trip)."""
+    numel = math.prod(shape)
+    groups = cfg.num_groups(numel)
+    if buf.dtype != torch.uint8 or buf.numel() != cfg.wire_bytes(numel):
+        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
+    n_payload = groups * cfg.group_size  # a multiple of 32: the scales stay 4-byte aligned
+    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
+    scale = buf[n_payload:n_payload + 4 * groups].view(torch.float32)
+    pre = buf[n_payload + 4 * groups:].view(torch.float32) if cfg.dual_scale else None
+    return Compressed(payload, scale, pre, torch.Size(shape), dtype, cfg)
+
+
+class DeviceCollectives:
+    """The compressed collectives over a Transport and a Codec (see the module docstring)."""
+
+    def __init__(self, transport: Transport, codec: Codec, double_buffer: bool = False):
+        self.t = transport
+        self.codec = codec
+        self.double_buffer = double_buffer
+        self.barriers = 0  # barriers issued so far (identical on every rank: calls are collective)
+        self._read_at: dict[Hashable, int] = {}  # buffer key -> barrier count when peers last read it
+        self._calls: dict[Hashable, int] = defaultdict(int)
+
+    # -- buffers and ordering ------------------------------------------------------------------
+    def _barrier(self) -> None:
+        self.t.barrier()
+        self.barriers += 1
+
+    def _buffer(self, op: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig,
+                nbytes: int) -> tuple[Hashable, torch.Tensor]:
+        """This call's buffer, and a barrier first if peers may still read its last contents."""
+        base = (op, shape, dtype, cfg)
+        parity = self._calls[base] % 2 if self.double_buffer else 0
+        self._calls[base] += 1
+        key = (*base, parity)
+        buf = self.t.buffer(key, nbytes)
+        if self._read_at.get(key) == self.barriers:
+            self._barrier()
+        return key, buf
+
+    def _read(self, buf: torch.Tensor, peer: int, lo: int, hi: int, shape: tuple[int, ...],
+              dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
+        return packed_view(self.t.peer(buf, peer)[lo:hi], shape, dtype, cfg)
+
+    def _sum_from_peers(self, buf: torch.Tensor, lo: int, hi: int, shape: tuple[int, ...],
+                        dtype: torch.dtype, cfg: QuantConfig) -> torch.Tensor:
+        """FP32 sum over ranks 0..W-1 of bytes [lo, hi) of each rank's buffer, in rank order."""
+        acc = torch.empty(shape, dtype=torch.float32, device=self.t.device)
+        for p in range(self.t.world_size):
+            c = self._read(buf, p, lo, hi, shape, dtype, cfg)
+            if p == 0:
+                self.codec.decompress_into(c, acc)  # not accumulate onto zeros: keeps -0.0 as the reference
+            else:
+                self.codec.accumulate(c, acc)
+        return acc
+
+    # -- the collectives ------------------------------------------------------------------------
+    def all_gather(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+        """Every rank's x concatenated along dim 0, each decompressed from its owner's buffer."""
+        _check_input(x, self.t.device)
+        world = self.t.world_size
+        shape = tuple(x.shape)
+        key, buf = self._buffer("all_gather", shape, x.dtype, cfg, cfg.wire_bytes(x.numel()))
+        self.codec.compress_into(x, cfg, buf)
+        self._barrier()
+        out = torch.empty((world, *shape), dtype=x.dtype, device=x.device)
+        for p in range(world):
+            self.codec.decompress_into(self._read(buf, p, 0, buf.numel(), shape, x.dtype, cfg), out[p])
+        self._read_at[key] = self.barriers
+        return out.view(world * shape[0], *shape[1:])
+
+    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+        """Chunk `rank` (of x split along dim 0) summed over ranks; chunk q compressed into
+        segment q of the buffer, rank q reads segment q of every rank's buffer."""
+        _check_input(x, self.t.device)
+        world, rank = self.t.world_size, self.t.rank
+        _check_dim0(x, world)
+        chunks = x.chunk(world, dim=0)
+        chunk_shape = tuple(chunks[0].shape)
+        seg = cfg.wire_bytes(chunks[0].numel())
+        key, buf = self._buffer("reduce_scatter", tuple(x.shape), x.dtype, cfg, world * seg)
+        for q, chunk in enumerate(chunks):
+            self.codec.compress_into(chunk, cfg, buf[q * seg:(q + 1) * seg])
+        self._barrier()
+        acc = self._sum_from_peers(buf, rank * seg, (rank + 1) * seg, chunk_shape, x.dtype, cfg)
+        self._read_at[key] = self.barriers
+        return acc.to(x.dtype)
+
+    def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo) -> torch.Tensor:
+        """one_shot: every rank reads every rank's whole compressed x and sums in FP32.
+        two_shot: compressed reduce-scatter of the group-padded flat tensor, the reduced chunk
+        requantized (in x's dtype), compressed all-gather: the reference's steps exactly."""
+        if algorithm not in ("one_shot", "two_shot"):
+            raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
+        _check_input(x, self.t.device)
+        world = self.t.world_size
+        if algorithm == "one_shot":
+            shape = tuple(x.shape)
+            nbytes = cfg.wire_bytes(x.numel())
+            key, buf = self._buffer("one_shot", shape, x.dtype, cfg, nbytes)
+            self.codec.compress_into(x, cfg, buf)
+            self._barrier()
+            acc = self._sum_from_peers(buf, 0, nbytes, shape, x.dtype, cfg)
+            self._read_at[key] = self.barriers
+            return acc.to(x.dtype)
+        flat = x.reshape(-1)
+        per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
+        padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel()))
+        mine = self.reduce_scatter(padded.view(world, per_rank), cfg)  # (1, per_rank), FP32-summed, x.dtype
+        full = self.all_gather(mine, cfg)  # requantized
+        return full.reshape(-1)[: flat.numel()].view(x.shape)
+
+    def close(self) -> None:
+        """Collective: a last barrier if peers may still be reading, so buffers can be released."""
+        if any(at == self.barriers for at in self._read_at.values()):
+            self._barrier()
+
+
+def _check_input(x: torch.Tensor, device: torch.device) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the device backend compresses float32, float16 or bfloat16 tensors, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"the tensor is on {x.device}, the backend's ranks on {device}")
+    if x.dim() == 0:
+        raise ValueError("the collectives need a tensor with at least one dimension (they concatenate/split dim 0)")
+
+
+def _check_dim0(x: torch.Tensor, world: int) -> None:
+    if x.shape[0] % world:
+        raise ValueError(f"reduce_scatter: dim 0 of shape {tuple(x.shape)} must be divisible by the world size {world}")
+
+
+class WindowTransport:
+    """A RankContext's symmetric windows: buffers from `ctx.symmetric`, peers' via `ctx.peer_tensor`
+    (NVLink loads by the kernels), barrier `ctx.device_barrier()` (LSA, acq_rel) on the current stream."""
+
+    def __init__(self, ctx: Any):
+        self.ctx = ctx
+        self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
+        self._buffers: dict[Hashable, torch.Tensor] = {}
+        self._peers: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
+
+    def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is not None and stream != self._stream:
+            stream.wait_stream(self._stream)  # the previous call's reads of our windows come first
+        self._stream = stream
+        if key not in self._buffers:
+            self._buffers[key] = self.ctx.symmetric(nbytes, torch.uint8, zero=False)  # collective
+        return self._buffers[key]
+
+    def peer(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
+        if rank == self.rank:
+            return buf
+        k = (buf.data_ptr(), buf.numel(), rank)
+        if k not in self._peers:
+            self._peers[k] = self.ctx.peer_tensor(buf, rank)
+        return self._peers[k]
+
+    def barrier(self) -> None:
+        self.ctx.device_barrier()
+
+
+class DeviceBackend:
+    """`collectives.CollectiveBackend` over CUDA symmetric windows, registered as "device".
+
+    The context is the one given, else `commweave.ops.context()` (this process's RankContext over
+    the default process group, made collectively at first use): the simplest consistent choice,
+    since the windows must belong to one communicator over the same ranks as the group. Only the
+    default group (group=None or WORLD) is supported. One `DeviceCollectives` (its buffers) per
+    context; a new context (after `commweave.ops.close()`) starts a new one."""
+
+    def __init__(self, ctx: Any = None, double_buffer: bool = False):
+        self._ctx = ctx
+        self.double_buffer = double_buffer
+        self._state: tuple[Any, DeviceCollectives] | None = None
+
+    def collectives(self, x: torch.Tensor, group: Any = None) -> DeviceCollectives:
+        """The algorithms bound to this backend's context, after checking x and group."""
+        if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+            where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"the device backend needs CUDA tensors, got {where}; use backend='reference' on CPU")
+        if group is not None and group is not dist.group.WORLD:
+            raise ValueError("the device backend runs over the default process group only (its RankContext's "
+                             "windows); pass group=None or use backend='reference' for subgroups")
+        ctx = self._ctx
+        if ctx is None:
+            from commweave.ops import context
+
+            ctx = context(x.device)
+        if not ctx.is_cuda:
+            raise ValueError(f"the device backend needs a CUDA RankContext, this one is on {ctx.device}")
+        if x.device != ctx.device:
+            raise ValueError(f"the tensor is on {x.device}, the context on {ctx.device}")
+        if self._state is None or self._state[0] is not ctx:
+            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), KernelCodec(), self.double_buffer))
+        return self._state[1]
+
+    def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
+        coll = self.collectives(x, group)
+        with torch.cuda.device(x.device):
+            return coll.all_gather(x.contiguous(), cfg)
+
+    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
+        coll = self.collectives(x, group)
+        with torch.cuda.device(x.device):
+            return coll.reduce_scatter(x.contiguous(), cfg)
+
+    def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo, group: Any = None) -> torch.Tensor:
+        coll = self.collectives(x, group)
+        with torch.cuda.device(x.device):
+            return coll.all_reduce(x.contiguous(), cfg, algorithm)
+
+    def close(self) -> None:
+        """Collective: a final barrier if needed and forget the buffers (the context keeps the
+        windows until its end_candidate / close)."""
+        if self._state is not None:
+            ctx, coll = self._state
+            with torch.cuda.device(ctx.device):
+                coll.close()
+                torch.cuda.synchronize(ctx.device)
+            self._state = None
+
+
+register_backend("device", DeviceBackend())

@@ -1,0 +1,232 @@
+"""TACO's device-initiated compressed collectives (commweave.taco.device).
+
+CPU: the algorithms run over an in-process fake transport (W ranks as threads, buffers in one dict,
+a threading barrier; tests/taco_jobs.FakeNode) with the reference codec, and must equal the
+reference backend's results over gloo (a CPU worker pool) bit for bit, call after call (buffer
+reuse), single- and double-buffered; a hazard log shows that no rank reads a peer's buffer in the
+barrier epoch its owner writes it. Bad inputs and the backend's registration are checked without
+GPUs.
+
+GPU (`pytest -m gpu tests/test_taco_device.py -s`, 2 and 4 GPUs): the real backend (symmetric
+windows, LSA barriers, Triton kernels reading peers over NVLink) against the reference backend
+over NCCL and against the CPU simulation, bit for bit; then algorithm bandwidth at 16 and 256 MiB
+of BF16 against plain NCCL, printed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import taco_jobs
+from commweave.runtime import WorkerPool
+from commweave.taco import collectives as cc
+from commweave.taco import device
+from commweave.taco.quant import QuantConfig
+
+TESTS = Path(__file__).parent
+
+# (op, QuantConfig kwargs, shape (reduce_scatter: dim 0 per rank), dtype, seed): ragged sizes
+# (padding), every op, the main switches, 16-bit inputs, and repeats with new data (buffer reuse).
+CASES: list[taco_jobs.Case] = [
+    ("all_gather", {}, (6, 96), "float32", 1),
+    ("reduce_scatter", {"group_size": 32, "fmt": "e5m2"}, (3, 37), "float32", 2),
+    ("one_shot", {"group_size": 64, "hadamard": "adaptive"}, (5, 100), "bfloat16", 3),
+    ("two_shot", {}, (7, 33), "float32", 4),
+    ("two_shot", {"group_size": 64, "hadamard": False, "dual_scale": False}, (4, 256), "float16", 5),
+    ("all_gather", {}, (6, 96), "float32", 6),
+    ("all_gather", {}, (6, 96), "float32", 7),
+    ("one_shot", {"group_size": 64, "hadamard": "adaptive"}, (5, 100), "bfloat16", 8),
+    ("one_shot", {"group_size": 64, "hadamard": "adaptive"}, (5, 100), "bfloat16", 9),
+    ("reduce_scatter", {"group_size": 32, "fmt": "e5m2"}, (3, 37), "float32", 10),
+    ("two_shot", {}, (7, 33), "float32", 11),
+    ("reduce_scatter", {"group_size": 128, "hadamard": False}, (2, 512), "bfloat16", 12),
+]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+def reference(request) -> tuple[int, list[list[torch.Tensor]]]:
+    """(world, per rank the reference backend's result of each case over gloo)."""
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    with WorkerPool(request.param, device="cpu", job_timeout_s=120, env=env) as pool:
+        result = pool.run("taco_jobs:reference_results", cases=CASES)
+    assert result.ok, result.first_failure().traceback if result.first_failure() else result.status
+    return request.param, result.values
+
+
+def _run_cases(coll: device.DeviceCollectives, rank: int, world: int) -> list[torch.Tensor]:
+    return [taco_jobs.run_case(taco_jobs.device_call(coll), case, world, rank) for case in CASES]
+
+
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+def test_device_algorithms_equal_the_reference_backend_bit_for_bit(reference, double_buffer):
+    world, expected = reference
+    got, node = taco_jobs.simulate(world, lambda coll, r: _run_cases(coll, r, world), double_buffer)
+    for rank in range(world):
+        for i, case in enumerate(CASES):
+            assert taco_jobs.same_bits(got[rank][i], expected[rank][i]), (rank, i, case)
+    assert node.hazards() == []
+    # collective allocation: every rank asked for the same buffers in the same order
+    assert all(node.allocations[r] == node.allocations[0] for r in range(world))
+    keys = {key for key, _ in node.allocations[0]}
+    assert {key[-1] for key in keys} == ({0, 1} if double_buffer else {0})  # call parity
+
+
+def test_all_reduce_is_identical_on_every_rank_and_close_to_the_exact_sum():
+    world = 4
+    case: taco_jobs.Case = ("one_shot", {}, (8, 128), "float32", 21)
+    xs = [taco_jobs.case_input(case, world, r) for r in range(world)]
+    exact = sum(xs[1:], xs[0])
+
+    def body(coll, r):
+        return [coll.all_reduce(xs[r], QuantConfig(), algo) for algo in ("one_shot", "two_shot")]
+
+    got, _ = taco_jobs.simulate(world, body)
+    for i in range(2):
+        assert all(taco_jobs.same_bits(got[r][i], got[0][i]) for r in range(world))
+        assert float((got[0][i] - exact).norm() / exact.norm()) < 0.05
+
+
+def test_barriers_per_call_single_vs_double_buffered():
+    """Single buffer: back-to-back single-phase calls need a barrier before rewriting (two per call,
+    the first call excepted); double buffer: one. Two-shot: its own two, either way."""
+    x = torch.randn(4, 128)
+    cfg = QuantConfig()
+
+    def count(double: bool, op: str, calls: int) -> int:
+        def body(coll, r):
+            for _ in range(calls):
+                if op == "two_shot":
+                    coll.all_reduce(x, cfg, "two_shot")
+                else:
+                    coll.all_gather(x, cfg)
+            return coll.barriers
+        got, node = taco_jobs.simulate(2, body, double)
+        assert node.hazards() == []
+        return got[0]
+
+    assert count(False, "all_gather", 3) == 5 and count(True, "all_gather", 3) == 3
+    assert count(False, "two_shot", 3) == 6 and count(True, "two_shot", 3) == 6
+
+
+def test_a_missing_barrier_is_caught_by_the_hazard_log():
+    """The checker is not vacuous: without the barrier before rewriting, it reports the race."""
+    x = torch.randn(4, 128)
+
+    class NoRewriteBarrier(device.DeviceCollectives):
+        def _buffer(self, op, shape, dtype, cfg, nbytes):
+            key = (op, shape, dtype, cfg, 0)
+            return key, self.t.buffer(key, nbytes)
+
+    node = taco_jobs.FakeNode(2)
+    results = [None, None]
+
+    def run(rank: int) -> None:
+        t = taco_jobs.FakeTransport(node, rank)
+        coll = NoRewriteBarrier(t, taco_jobs.TracingCodec(device.ReferenceCodec(), t))
+        results[rank] = [coll.all_gather(x, QuantConfig()) for _ in range(2)]
+
+    import threading
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert any("when it is written" in h for h in node.hazards())
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    def body(coll, r):
+        errors = []
+        for fn in (lambda: coll.all_gather(torch.zeros(4, 32, dtype=torch.float64), QuantConfig()),
+                   lambda: coll.reduce_scatter(torch.zeros(3, 32), QuantConfig()),
+                   lambda: coll.all_reduce(torch.zeros(4, 32), QuantConfig(), "three_shot"),
+                   lambda: coll.all_gather(torch.tensor(1.0), QuantConfig()),
+                   lambda: coll.all_gather(torch.zeros(4, 33), QuantConfig(32, pad=False))):
+            try:
+                fn()
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        return errors
+
+    got, _ = taco_jobs.simulate(2, body)
+    errors = got[0]
+    assert len(errors) == 5, errors
+    assert "float64" in errors[0] and "divisible by the world size 2" in errors[1]
+    assert "algorithm" in errors[2] and "at least one dimension" in errors[3] and "pad=False" in errors[4]
+
+    backend = device.DeviceBackend()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        backend.all_gather(torch.zeros(4, 32), QuantConfig())
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        backend.all_reduce(torch.zeros(4, 32), QuantConfig(), "one_shot")
+
+
+def test_the_device_backend_is_registered():
+    assert isinstance(cc._backend("device"), device.DeviceBackend)
+    assert "reference" in cc._BACKENDS and "device" in cc._BACKENDS
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+def _gpu_pool(world: int) -> WorkerPool:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    return WorkerPool(world, device="cuda", job_timeout_s=600, env=env)
+
+
+def _ok(result):
+    assert result.ok, result.first_failure().traceback if result.first_failure() else result.status
+    return result.values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_device_backend_on_gpus_equals_the_reference_over_nccl(world):
+    with _gpu_pool(world) as pool:
+        for double_buffer in (False, True):
+            for value in _ok(pool.run("taco_jobs:device_vs_reference_gpu", cases=CASES, double_buffer=double_buffer)):
+                assert value["mismatches"] == [], value["mismatches"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_device_backend_bandwidth_against_nccl(world):
+    """Printed (run with -s): algorithm bandwidth at 16 and 256 MiB of BF16, device vs NCCL."""
+    with _gpu_pool(world) as pool:
+        rows = _ok(pool.run("taco_jobs:device_bandwidth_gpu", mibs=(16, 256)))[0]
+    print()
+    for r in rows:
+        print(f"taco-device world={r['world']} {r['op']:20} {r['mib']:4} MiB bf16 E4M3 G=128: "
+              f"device {r['device_ms']:.3f} ms {r['device_GBps']:.0f} GB/s | NCCL {r['nccl_ms']:.3f} ms "
+              f"{r['nccl_GBps']:.0f} GB/s | x{r['speedup']:.2f}")
+
+
+def test_triton_kernel_codec_in_the_algorithms_equals_the_reference_codec():
+    """The algorithms with the fused kernels (Triton's interpreter, in a spawned child that imported
+    Triton with TRITON_INTERPRET=1, as tests/test_taco_kernels.py does) give the reference codec's
+    bits: decompress_into a slice of the output, accumulate from packed views, compress_into segments."""
+    pytest.importorskip("triton")
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the child at spawn, then restored here
+    try:
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        future = pool.submit(taco_jobs.kernel_codec_vs_reference_codec, 2, CASES[:5])
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    try:
+        assert future.result(timeout=300) == []
+    finally:
+        pool.shutdown()
