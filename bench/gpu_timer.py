@@ -1,33 +1,18 @@
-"""What the one-GPU probes share: a CUDA-event timer (median of repeated calls) and their
+"""What the one-GPU probes share: the CUDA-event timer (`median_us`, from evaluate.timing) and their
 command line (--iters, --out-dir; one results JSON with provenance, a line per case printed)."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from commweave.evaluate.timing import cuda_median_us as median_us
 from commweave.report.results import write_results
 
-
-def median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median GPU time of `fn()` in µs over `iters` calls, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+__all__ = ["median_us", "probe_main"]
 
 
 def probe_main(doc: str, name: str, note: str, cases: Sequence[tuple], probe: Callable[..., dict[str, Any]]) -> None:

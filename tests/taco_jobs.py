@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from commweave.evaluate.timing import cuda_median_us
 from commweave.taco import collectives as cc
 from commweave.taco.quant import QuantConfig
 
@@ -324,21 +325,6 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False)
     return out
 
 
-def _median_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def device_bandwidth_gpu(ctx, mibs: tuple[int, ...] = (16, 256), double_buffer: bool = False) -> list[dict]:
     """Algorithm bandwidth (message bytes / median time; message = the full BF16 tensor: all-gather's
     output, reduce-scatter's input, all-reduce's tensor) of the device backend (E4M3, G=128, TACO's
@@ -362,9 +348,9 @@ def device_bandwidth_gpu(ctx, mibs: tuple[int, ...] = (16, 256), double_buffer: 
         }
         for name, (dev_fn, nccl_fn) in ops.items():
             ctx.barrier()
-            dev_ms = _median_ms(dev_fn, iters)
+            dev_ms = cuda_median_us(dev_fn, iters) / 1e3
             ctx.barrier()
-            nccl_ms = _median_ms(nccl_fn, iters)
+            nccl_ms = cuda_median_us(nccl_fn, iters) / 1e3
             nbytes = n * 2
             rows.append({"op": name, "mib": mib, "world": world, "device_ms": dev_ms, "nccl_ms": nccl_ms,
                          "device_GBps": nbytes / dev_ms / 1e6, "nccl_GBps": nbytes / nccl_ms / 1e6,

@@ -20,7 +20,6 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (the kernels and their interpreter need it)")
 import triton.language as tl  # noqa: E402
 
+from commweave.evaluate.timing import cuda_median_us
 from commweave.taco import kernels, quant  # noqa: E402
 from commweave.taco.quant import QuantConfig  # noqa: E402
 
@@ -358,20 +358,6 @@ def test_kernels_compile_for_sm90_with_exact_arithmetic():
 
 # -- GPU ------------------------------------------------------------------------------------------
 
-def _cuda_time_ms(fn: Callable[[], Any], iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def _gpu_configs() -> list[tuple[QuantConfig, bool]]:
     """(config, round_in_fp32) pairs for the CUDA check: every format, G and switch with hardware
     casts, adaptive and 16-bit transform inputs at G=128 (each adaptive variant compiles for ~30 s),
@@ -425,12 +411,12 @@ def test_compiled_kernels_timed_against_the_reference():
         for cfg in (QuantConfig(128), QuantConfig(128, hadamard=False), QuantConfig(128, hadamard="adaptive")):
             c = kernels.compress(xb, cfg)
             acc = torch.zeros(xb.numel(), device=dev)
-            t = {"compress": _cuda_time_ms(lambda: kernels.compress(xb, cfg)),
-                 "compress_ref": _cuda_time_ms(lambda: quant.compress(xb, cfg), iters=5),
-                 "compress_round_fp32": _cuda_time_ms(lambda: kernels.compress(xb, cfg, round_in_fp32=True)),
-                 "decompress": _cuda_time_ms(lambda: kernels.decompress(c)),
-                 "decompress_ref": _cuda_time_ms(lambda: quant.decompress(c), iters=5),
-                 "decompress_accumulate": _cuda_time_ms(lambda: kernels.decompress_accumulate(c, acc))}
+            t = {"compress": cuda_median_us(lambda: kernels.compress(xb, cfg), 20) / 1e3,
+                 "compress_ref": cuda_median_us(lambda: quant.compress(xb, cfg), 5, warmup=1) / 1e3,
+                 "compress_round_fp32": cuda_median_us(lambda: kernels.compress(xb, cfg, round_in_fp32=True), 20) / 1e3,
+                 "decompress": cuda_median_us(lambda: kernels.decompress(c), 20) / 1e3,
+                 "decompress_ref": cuda_median_us(lambda: quant.decompress(c), 5, warmup=1) / 1e3,
+                 "decompress_accumulate": cuda_median_us(lambda: kernels.decompress_accumulate(c, acc), 20) / 1e3}
             traffic = xb.numel() * 2 + cfg.wire_bytes(xb.numel())  # BF16 in (out) + wire bytes out (in), once each
             print(f"taco-kernels {mib} MiB bf16 G=128 hadamard={cfg.hadamard!s:8} "
                   + " ".join(f"{k}={v:.3f}ms" for k, v in t.items())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from commweave.evaluate.verdict import Verdict
@@ -79,3 +80,22 @@ def summarize(name: str, verdict: Verdict, times_per_rank_s: list[list[float]]) 
     ordered = sorted(per_iter)
     p90 = ordered[math.ceil(0.9 * len(ordered)) - 1]
     return ProgramTiming(name, verdict, statistics.median(per_iter), ordered[0], p90, per_iter)
+
+
+def cuda_median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median GPU time of `fn()` on the current stream in µs over `iters` calls (CUDA events),
+    after `warmup` untimed ones: the one-GPU timer of probes and kernel tests, not the harness's
+    multi-rank benchmark."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
