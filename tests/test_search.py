@@ -295,6 +295,25 @@ def test_wall_time_budget_stops_the_search(tmp_path):
     assert time.monotonic() - start < 5
 
 
+def test_stop_after_leaves_budget_for_a_resume(tmp_path):
+    """An invocation limited by stop_after_s stops early and says so; a resume continues the same
+    run to its own budget with nothing lost or repeated, the first invocation's time counted."""
+    path = tmp_path / "p.sqlite"
+    with ProgramDB(path) as db:
+        search = Evolution(db, TEMPLATE, SimulatedEvaluator(TEMPLATE, 4, OPTIMUM, delay_s=0.02), SHAPE, 4,
+                           Budget(seconds=1.5), SearchConfig(islands=2))
+        search.run(stop_after_s=0.4)
+        assert search.paused() and 0.4 <= db.meta()["elapsed_s"] < 1.5
+        first = db.count()
+    with ProgramDB(path) as db:
+        resumed = Evolution(db, TEMPLATE, SimulatedEvaluator(TEMPLATE, 4, OPTIMUM, delay_s=0.02), SHAPE, 4,
+                            Budget(seconds=99), SearchConfig(islands=2))
+        resumed.run()
+        assert not resumed.paused() and db.meta()["elapsed_s"] >= 1.5 and db.count() > first
+        keys = [p.directive_key for p in db.programs()]
+        assert len(set(keys)) == len(keys) and [p.id for p in db.programs()] == list(range(1, db.count() + 1))
+
+
 def test_resume_after_a_kill_between_the_seed_and_its_copies(tmp_path):
     path = tmp_path / "s.sqlite"
     with ProgramDB(path) as db:

@@ -39,7 +39,7 @@ def sim_run(tmp_path_factory):
     ev = SimulatedEvaluator(t, 4, t.seed_directives().with_(comm_ctas=16))
     out = io.StringIO()
     with Progress(console=Console(file=out, force_terminal=False, width=120)) as progress:
-        best, count = evolve(path, t, ev, t.default_shape(4), 4, Budget(evaluations=12), SearchConfig(islands=2),
+        best, count, _ = evolve(path, t, ev, t.default_shape(4), 4, Budget(evaluations=12), SearchConfig(islands=2),
                              progress=progress)
     return path, best, count, out.getvalue()
 
@@ -148,7 +148,7 @@ def test_evolution_with_the_real_evaluator_on_a_cpu_pool(tmp_path):
     assert load_program(template.render(template.seed_directives(), template.default_shape(2), 2)).CONFIG["pieces"] == 1
     with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
         evaluator = Evaluator(pool, template.wl, warmup=1, iters=5, seeds=2)
-        best, count = evolve(tmp_path / "toy.sqlite", template, evaluator, template.default_shape(2), 2,
+        best, count, _ = evolve(tmp_path / "toy.sqlite", template, evaluator, template.default_shape(2), 2,
                              Budget(evaluations=6), SearchConfig(islands=2, seed=1))
     with ProgramDB(tmp_path / "toy.sqlite") as db:
         programs = db.programs()
@@ -167,6 +167,6 @@ def test_evolution_with_the_real_evaluator_on_a_cpu_pool(tmp_path):
 def test_search_ends_when_the_space_is_exhausted(tmp_path):
     template = ToyTemplate()
     ev = SimulatedEvaluator(template, 2, template.seed_directives().with_(knobs=dict(pieces=4, scale=1.0)))
-    best, count = evolve(tmp_path / "small.sqlite", template, ev, template.default_shape(2), 2,
+    best, count, _ = evolve(tmp_path / "small.sqlite", template, ev, template.default_shape(2), 2,
                          Budget(evaluations=50), SearchConfig(islands=2))
     assert count == 6 == ev.calls and best.directives["knobs"] == {"pieces": 4, "scale": 1.0}

@@ -224,6 +224,8 @@ def evolve(
     seeds: int = typer.Option(2, "--seeds", min=2, help="fresh random inputs per correctness check"),
     compile_workers: int = typer.Option(8, "--compile-workers", min=1, help="CPU threads compiling ahead of the GPUs"),
     job_timeout: float = typer.Option(120.0, "--job-timeout", help="seconds before a hung candidate is killed"),
+    stop_after: str = typer.Option(None, "--stop-after", help="leave this invocation after this long (9m, 540s) with "
+                                   "budget left; --resume continues (for machines lent in short slots)"),
 ) -> None:
     """Search the workload's directive space and template knobs on this machine's GPUs (offline
     proposer, no LLM). Every evaluated program goes to one SQLite file per run; --resume continues
@@ -248,6 +250,11 @@ def evolve(
             run_budget = Budget(**meta["budget"])
         else:
             run_budget = Budget.parse(budget)
+        stop_after_s = None
+        if stop_after is not None:
+            stop_after_s = Budget.parse(stop_after).seconds
+            if stop_after_s is None:
+                raise ValueError(f"--stop-after {stop_after!r} must be a time (9m, 540s), not a number of evaluations")
         wl = get_workload(workload)
         wl.check_world_size(gpus)
         template = template_for(wl)
@@ -267,15 +274,19 @@ def evolve(
             evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates, job_timeout_s=job_timeout)
             columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress:
-                best, count = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
-                                    workload=wl, capabilities=capabilities, progress=progress)
+                best, count, paused = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
+                                            workload=wl, capabilities=capabilities, progress=progress,
+                                            stop_after_s=stop_after_s)
     except (PoolStartError, EvaluationError) as exc:
         _fail(f"{exc} (every evaluated program is in {path}; continue with --resume {path})")
     except KeyboardInterrupt:
         _fail(f"interrupted; every evaluated program is in {path}: continue with --resume {path}", code=130)
+    if paused:
+        console.print(f"stopped after {stop_after} with budget left ({count} evaluated so far); continue with "
+                      f"commweave evolve {workload} --resume {path}", highlight=False)
     if best is None:
         console.print(f"{count} programs evaluated, none correct. run: {path}", highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(0 if paused else 1)
     console.print(f"best: program #{best.id}, {best.fitness:.2f}x over {best.timings.get('baseline')} "
                   f"({count} evaluated). Next: commweave report {path}; commweave export {path} --out best.py",
                   highlight=False)

@@ -40,9 +40,10 @@ def run_meta(path: Path) -> dict[str, Any]:
 
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
            config: SearchConfig, *, rates: Any = None, workload: Any = None, capabilities: Any = None,
-           progress: Any = None):
+           progress: Any = None, stop_after_s: float | None = None):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
-    speedup so far. Returns (best record or None, evaluations in the database)."""
+    speedup so far. Returns (best record or None, evaluations in the database, whether it stopped
+    at `stop_after_s` with budget left)."""
     with ProgramDB(db_path) as db:
         task = None
 
@@ -58,5 +59,5 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
                            capabilities=capabilities, on_result=on_result)
         if progress is not None:
             task = progress.add_task("starting", total=1000)
-        best = search.run()
-        return best, db.count()
+        best = search.run(stop_after_s)
+        return best, db.count(), search.paused()

@@ -237,7 +237,13 @@ class Evolution:
         return self.budget.fraction(self.evaluated, self.elapsed_s())
 
     def exhausted(self) -> bool:
-        return self.fraction() >= 1.0
+        """The run's budget is spent, or this invocation's `stop_after_s` has passed."""
+        deadline = getattr(self, "_deadline", None)
+        return self.fraction() >= 1.0 or (deadline is not None and time.monotonic() >= deadline)
+
+    def paused(self) -> bool:
+        """Stopped by `stop_after_s` with budget left: a `--resume` has more to do."""
+        return self.fraction() < 1.0 and getattr(self, "_deadline", None) is not None and time.monotonic() >= self._deadline
 
     def phase(self) -> str:
         return "explore" if self.fraction() < self.config.explore_fraction else "exploit"
@@ -334,9 +340,14 @@ class Evolution:
             self.on_result(record, self)
         return record
 
-    def run(self) -> ProgramRecord | None:
-        """Search until the budget is spent (or no new candidate can be proposed); the best program."""
+    def run(self, stop_after_s: float | None = None) -> ProgramRecord | None:
+        """Search until the budget is spent (or no new candidate can be proposed); the best program.
+
+        `stop_after_s`: leave this invocation after that many seconds even with budget left (a
+        machine lent for 10 minutes at a time); `--resume` continues, with the time spent so far
+        counted against the run's budget."""
         self._started = time.monotonic()
+        self._deadline = None if stop_after_s is None else self._started + stop_after_s
         compiler = CompileAhead(self.compile_source, self.config.compile_workers)
         try:
             if not self.records:
