@@ -304,13 +304,7 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
     ref_state = {k: v.clone() for k, v in ref.state_dict().items()} if reference_steps else None
     del ref
 
-    def optimizer(m: GPT) -> torch.optim.Optimizer:
-        decay = [p for p in m.parameters() if p.dim() >= 2]
-        other = [p for p in m.parameters() if p.dim() < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                                  {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-
-    opt = optimizer(net)
+    opt = _optimizer(net, tc)
     autocast = torch.autocast("cuda", dtype=compute_dtype, enabled=device.type == "cuda" and compute_dtype != torch.float32)
     tokens_per_step = tc.batch * mc.seq
     vals = val_batches(corpus, tc.val_batches, tc.batch, mc.seq)
@@ -342,11 +336,7 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
         loss.backward()
         allreduce_sequence_parallel_grads([net])
         norm = global_grad_norm(net)
-        if tc.clip > 0:
-            scale = torch.clamp(tc.clip / (norm + 1e-6), max=1.0)
-            for p in net.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        _clip_(net, norm, tc.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = loss.detach().float().clone()
@@ -369,14 +359,29 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
     return result if rank == 0 else {"loss": losses}
 
 
+def _optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (both the TP model and its single-process yardstick)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                              {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+
+
+def _clip_(model: torch.nn.Module, norm: torch.Tensor, clip: float) -> None:
+    """Scale the gradients so their global norm (`norm`, already summed over ranks) is at most `clip`."""
+    if clip <= 0:
+        return
+    scale = torch.clamp(clip / (norm + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+
+
 def _train_reference(mc: ModelConfig, tc: TrainConfig, state: dict, corpus: Corpus, steps: int) -> list[float]:
     """The same training loop on one process, full sequence, FP32, CPU: the TP model's yardstick."""
     ref = GPT(mc)
     ref.load_state_dict(state)
-    decay = [p for p in ref.parameters() if p.dim() >= 2]
-    other = [p for p in ref.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+    opt = _optimizer(ref, tc)
     out = []
     for step in range(steps):
         window = train_batch(corpus, step, tc.batch, mc.seq, tc.seed)
@@ -385,11 +390,7 @@ def _train_reference(mc: ModelConfig, tc: TrainConfig, state: dict, corpus: Corp
         loss = ref(window[:-1], window[1:]) / (tc.batch * mc.seq)
         loss.backward()
         norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters() if p.grad is not None))
-        if tc.clip > 0:
-            scale = torch.clamp(tc.clip / (norm + 1e-6), max=1.0)
-            for p in ref.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        _clip_(ref, norm, tc.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(loss.item())
