@@ -6,7 +6,7 @@ import torch
 
 from commweave.evaluate.checks import judge_output, poison_
 from commweave.evaluate.jobs import harness_output
-from commweave.evaluate.program import load_program, with_config
+from commweave.evaluate.program import load_program, unavailable_reason, with_config
 from commweave.workloads.kv_transfer.workload import KvTransfer
 
 
@@ -18,7 +18,7 @@ def run_program_check(ctx, program: str, shape_text: str, seed: int, calls: int 
     shape = workload.parse_shape(shape_text, ctx.world_size)
     text = workload.program_text(program)
     module = load_program(with_config(text, **config) if config else text, program)
-    reason = module.available(ctx) if hasattr(module, "available") else None
+    reason = unavailable_reason(module, ctx)
     if reason:
         raise RuntimeError(f"{program} is not available here: {reason}")
     state = module.setup(ctx, shape)

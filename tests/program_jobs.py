@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from commweave.evaluate.jobs import harness_output
-from commweave.evaluate.program import load_program, with_config
+from commweave.evaluate.program import load_program, unavailable_reason, with_config
 from commweave.workloads import get_workload
 
 
@@ -20,7 +20,7 @@ def run_program_check(ctx, workload: str, program: str, shape_text: str, seed: i
     shape = wl.parse_shape(shape_text, ctx.world_size)
     text = wl.program_text(program)
     module = load_program(with_config(text, **config) if config else text, program)
-    reason = module.available(ctx) if hasattr(module, "available") else None
+    reason = unavailable_reason(module, ctx)
     if reason:
         raise RuntimeError(f"{program} is not available here: {reason}")
     out = harness_output(ctx, wl, shape)  # as the evaluator makes it (symmetric where the workload asks)
@@ -47,7 +47,7 @@ def program_availability(ctx, workload: str) -> dict[str, str | None]:
     reasons: dict[str, str | None] = {}
     for name in wl.program_names():
         module = load_program(wl.program_text(name), name)
-        reasons[name] = module.available(ctx) if hasattr(module, "available") else None
+        reasons[name] = unavailable_reason(module, ctx)
     return reasons
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready, poison_
-from commweave.evaluate.program import load_program
+from commweave.evaluate.program import load_program, unavailable_reason
 from commweave.evaluate.timing import input_sets_for, interleaved_schedule
 from commweave.evaluate.verdict import FailureClass, HarnessError, Verdict, WorkloadError
 from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
@@ -117,17 +117,11 @@ class _Steps:
         return int(flag.item()) == 0
 
 
-def _unavailable_reason(program: Any, ctx: Any) -> str | None:
-    available = getattr(program, "available", None)
-    reason = available(ctx) if available is not None else None
-    return str(reason) if reason else None
-
-
 def _load(ctx: Any, steps: _Steps, text: str, name: str) -> Any:
     """Load a program and ask whether it can run here; all ranks agree on the outcome."""
     program = steps.attempt("loading the program", load_program, text, name)
     if steps.agree():
-        reason = steps.attempt("available()", _unavailable_reason, program, ctx)
+        reason = steps.attempt("available()", unavailable_reason, program, ctx)
         if reason:
             steps.fail(FailureClass.UNAVAILABLE, reason)
     return program

@@ -76,6 +76,14 @@ def load_program(text: str, name: str = "candidate") -> types.ModuleType:
     return module
 
 
+def unavailable_reason(module: types.ModuleType, ctx: object) -> str | None:
+    """A loaded program's own reason it cannot run on this rank (its optional `available(ctx)`),
+    or None when it can."""
+    available = getattr(module, "available", None)
+    reason = available(ctx) if available is not None else None
+    return str(reason) if reason else None
+
+
 def with_config(text: str, **knobs: object) -> str:
     """The program with entries of its module-level `CONFIG = dict(...)` set to new literal values.
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.program import load_program, parse_program
+from commweave.evaluate.program import load_program, parse_program, unavailable_reason
 from commweave.ops.exported import export_info
 from commweave.runtime.context import RankContext
 from commweave.workloads import Shape, Workload, get_workload
@@ -79,13 +79,6 @@ def _normalized(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _unavailable(module: types.ModuleType, ctx: RankContext) -> str | None:
-    """The program's own reason it cannot run on this rank (its `available(ctx)`), or None."""
-    available = getattr(module, "available", None)
-    reason = available(ctx) if available is not None else None
-    return str(reason) if reason else None
 
 
 def _loaded(text: str, name: str) -> tuple[types.ModuleType, str]:
@@ -168,13 +161,13 @@ class Op:
             return self._module
         wl = self.workload
         module, digest = _loaded(self._text, self.program)
-        reason = _unavailable(module, ctx)
+        reason = unavailable_reason(module, ctx)
         if reason and not self.default:
             raise RuntimeError(f"program {self.program!r} of {wl.name} cannot run here: {reason}")
         if reason:
             fallback = wl.baselines[0]
             module, digest = _loaded(wl.program_text(fallback), fallback)
-            why_not = _unavailable(module, ctx)
+            why_not = unavailable_reason(module, ctx)
             if why_not:
                 raise RuntimeError(f"{wl.name}: neither its seed ({reason}) nor its baseline {fallback!r} ({why_not}) "
                                    "can run here")
