@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_timer import median_us, probe_main  # bench/ is on sys.path when a probe runs as a script
+from commweave.evaluate.timing import cuda_median_us as median_us
+from probe_cli import probe_main  # bench/ is on sys.path when a probe runs as a script
 from commweave.workloads.attention_cp.attention import attention_with_lse, merge_two
 
 CASES = [(32768, 4, 32, 8, 128, False), (32768, 2, 32, 8, 128, False), (131072, 4, 32, 8, 128, False),

@@ -1,4 +1,4 @@
-"""What the one-GPU probes share: the CUDA-event timer (`median_us`, from evaluate.timing) and their
+"""What the one-GPU probes share beyond the timer (`evaluate.timing.cuda_median_us`): their
 command line (--iters, --out-dir; one results JSON with provenance, a line per case printed)."""
 
 from __future__ import annotations
@@ -9,10 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from commweave.evaluate.timing import cuda_median_us as median_us
 from commweave.report.results import write_results
-
-__all__ = ["median_us", "probe_main"]
 
 
 def probe_main(doc: str, name: str, note: str, cases: Sequence[tuple], probe: Callable[..., dict[str, Any]]) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_timer import median_us, probe_main  # bench/ is on sys.path when a probe runs as a script
+from commweave.evaluate.timing import cuda_median_us as median_us
+from probe_cli import probe_main  # bench/ is on sys.path when a probe runs as a script
 
 H, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8
 CASES = [(4096, 2), (4096, 4), (128, 4)]  # (tokens per rank, world)

@@ -409,7 +409,7 @@ def test_seed_plan_on_host(wl: AttentionCP, world: int, index: int) -> None:
         for blk, (a, b) in zip(seed.blocks(s, world, rank), shard_ranges(seq, world, rank, causal)):
             r0, r1 = blk["row"], blk["row"] + blk["rows"]
             kr = slice(r0, r1) if causal else slice(None)
-            o_local, lse_local = seed._attention(state, q[r0:r1], k[kr], v[kr], blk["local_causal"])
+            o_local, lse_local = seed._attention(state, q[r0:r1], k[kr], v[kr], causal)
             local_keys = torch.arange(a, b) if causal else shard_positions(seq, world, rank, False)
             if blk["remote"] is None:
                 out[r0:r1] = o_local

@@ -180,6 +180,7 @@ class Evolution:
         self.compile_source = compile_source or getattr(evaluator, "compile_source", None) or compile_cubin
         self.on_result = on_result
         self._started = time.monotonic()  # reset by run()
+        self._deadline: float | None = None  # run()'s stop_after_s, as a monotonic time
         self._init_meta(workload)
         self._load()
 
@@ -238,12 +239,14 @@ class Evolution:
 
     def exhausted(self) -> bool:
         """The run's budget is spent, or this invocation's `stop_after_s` has passed."""
-        deadline = getattr(self, "_deadline", None)
-        return self.fraction() >= 1.0 or (deadline is not None and time.monotonic() >= deadline)
+        return self.fraction() >= 1.0 or self._past_deadline()
 
     def paused(self) -> bool:
         """Stopped by `stop_after_s` with budget left: a `--resume` has more to do."""
-        return self.fraction() < 1.0 and getattr(self, "_deadline", None) is not None and time.monotonic() >= self._deadline
+        return self.fraction() < 1.0 and self._past_deadline()
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
 
     def phase(self) -> str:
         return "explore" if self.fraction() < self.config.explore_fraction else "exploit"

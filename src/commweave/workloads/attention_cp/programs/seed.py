@@ -163,16 +163,15 @@ def dest_rows(shape, world, sender):
 
 
 def blocks(shape, world, rank):
-    """This rank's attention plan: per query segment (first row, rows, global start), the local
-    block (own keys: all of them non-causal, the diagonal causal) and the kv_seq rows [k0, k1) of
-    the remote block (None when no remote key is visible)."""
+    """This rank's attention plan: per query segment its first row and rows (its local block is the
+    own keys: all of them non-causal, the diagonal causal) and the kv_seq rows [k0, k1) of the
+    remote block (None when no remote key is visible)."""
     causal, seq = bool(shape["CAUSAL"]), shape["S"]
     plan, row = [], 0
     for a, b in shard_ranges(seq, world, rank, causal):
         n = b - a
         remote = (0, a) if causal else (seq // world, seq)
-        plan.append({"row": row, "rows": n, "local_causal": causal,
-                     "remote": remote if remote[1] > remote[0] else None})
+        plan.append({"row": row, "rows": n, "remote": remote if remote[1] > remote[0] else None})
         row += n
     return plan
 
@@ -238,7 +237,7 @@ def _call(ctx, state, inputs, out):
     for blk in state["blocks"]:  # own keys: nothing to wait for
         r0, r1 = blk["row"], blk["row"] + blk["rows"]
         kr = slice(r0, r1) if state["causal"] else slice(None)
-        local.append(_attention(state, q[r0:r1], k[kr], v[kr], blk["local_causal"]))
+        local.append(_attention(state, q[r0:r1], k[kr], v[kr], state["causal"]))
     flags, kv_seq = state["flags"], state["kv_seq"]
     if CONFIG["communicate"] and CONFIG["wait"] == "stream":
         stream_wait_geq(flags.data_ptr(), state["target"], main)

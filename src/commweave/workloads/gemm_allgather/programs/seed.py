@@ -233,7 +233,7 @@ def setup(ctx, shape):
         "rows": m // world, "chunks": chunks, "ctas": ctas, "target": 1 if ce else ctas,
         # backend ce: each peer's a_full and counters, addressed from here
         "peer_a": {p: ctx.peer_tensor(a_full, p) for p in peers} if ce else {},
-        "peer_flags": {p: ctx.peer_ptrs(flags)[p] for p in peers} if ce else {},
+        "peer_flags": {p: ptr for p, ptr in enumerate(ctx.peer_ptrs(flags)) if p in peers} if ce else {},
     }
 
 
