@@ -195,11 +195,18 @@ def _sqrt_rn(m: torch.Tensor) -> torch.Tensor:
     return torch.where(lo * lo > md, down, r)
 
 
+def _div_rn(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """`a / divisor`, IEEE round-to-nearest on every device. On CUDA, torch divides by a Python
+    number as a multiplication by its reciprocal (not always the correctly rounded quotient the
+    kernels' `div_rn` gives); a divisor tensor on `a`'s device takes the true division."""
+    return a / a.new_tensor(divisor)
+
+
 def _rms(g: torch.Tensor) -> torch.Tensor:
     """Per-row RMS without overflow (|x| up to FP32 max) or underflow to zero for nonzero rows."""
     absmax = g.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    rms = safe * _sqrt_rn(_pairwise_sum((g / safe[:, None]).square()) / g.shape[1])
+    rms = safe * _sqrt_rn(_div_rn(_pairwise_sum((g / safe[:, None]).square()), g.shape[1]))
     # a row of tiny subnormals can round its RMS to zero: fall back to its absmax, and to 1 for zeros
     return torch.where(rms > 0, rms, safe)
 
@@ -238,7 +245,7 @@ def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "refe
 def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row absmax scale to the FP8 maximum, and the FP8 rows."""
     absmax = g.abs().amax(dim=1)
-    scale = absmax / cfg.fp8_max
+    scale = _div_rn(absmax, cfg.fp8_max)
     tiny = torch.finfo(torch.float32).smallest_normal
     # zero groups: scale 1; groups so small that absmax/FP8_MAX underflows: the smallest normal
     scale = torch.where(absmax > 0, scale.clamp_min(tiny), torch.ones_like(scale))
