@@ -167,6 +167,16 @@ def _retry_after_s(headers: Any) -> float | None:
         return None
 
 
+def _error_message(error: Any) -> str:
+    """The server's own words: OpenAI's body is the error object, Anthropic's wraps it in 'error'."""
+    body = error.body
+    if isinstance(body, dict):
+        inner = body.get("error") if isinstance(body.get("error"), dict) else body
+        if isinstance(inner.get("message"), str):
+            return inner["message"]
+    return str(error.message)
+
+
 def _translate(sdk: ModuleType, error: Exception, name: str) -> LLMError:
     """The LLMError for an exception of the openai / anthropic SDK (they share these classes)."""
     if isinstance(error, sdk.APITimeoutError):
@@ -175,7 +185,7 @@ def _translate(sdk: ModuleType, error: Exception, name: str) -> LLMError:
         return ServerError(f"{name}: connection failed: {error}"[:_ERROR_TEXT_CHARS])
     if isinstance(error, sdk.APIStatusError):
         status = error.status_code
-        text = f"{name}: HTTP {status}: {error.message}"[:_ERROR_TEXT_CHARS]
+        text = f"{name}: HTTP {status}: {_error_message(error)}"[:_ERROR_TEXT_CHARS]
         if status == 429:
             return RateLimited(text, _retry_after_s(getattr(error.response, "headers", None)))
         if status == 408:
