@@ -11,10 +11,11 @@ takes the next step of the script:
 - a callable taking the request's JSON body and returning one of the above (answers that depend
   on the prompt, e.g. a diff against the program the prompt holds).
 
-When the script is used up the server answers 500 "script exhausted". Every request's JSON body is
-kept in `srv.requests` (arrival times in `srv.times`); `srv.prompt(i)` is request i's system prompt
-and messages as one string, for `assert "..." in srv.prompt(0)`. `srv.model()` is a ModelConfig
-pointing at the server with test-sized timeouts:
+When the script is used up the server answers 500 "script exhausted". Each JSON body posted to the
+endpoint is kept in `srv.requests` (headers in `srv.headers`, arrival times in `srv.times`);
+`srv.prompt(i)` is request i's system prompt and messages as one string, for
+`assert "..." in srv.prompt(0)`. `srv.model()` is a ModelConfig pointing at the server with
+test-sized timeouts (0.3 s, backoff 0.01 s, 2 retries):
 
     with ScriptedOpenAIServer(["hello", Fail(429, retry_after="0"), Reply("x", 10, 5)]) as srv:
         client = client_for(srv.model(input_usd_per_mtok=1.0), Ledger())
@@ -69,6 +70,7 @@ class _ScriptedServer:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.requests: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each request's HTTP headers, names in lower case
         self.times: list[float] = []  # time.monotonic() at each request's arrival
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -125,9 +127,10 @@ class _ScriptedServer:
             parts.append(str(content))
         return "\n".join(parts)
 
-    def _next(self, body: dict) -> Reply | Fail | Stall:
+    def _next(self, body: dict, headers: dict[str, str]) -> Reply | Fail | Stall:
         with self._lock:
             self.requests.append(body)
+            self.headers.append(headers)
             self.times.append(time.monotonic())
             step = self._script.pop(0) if self._script else Fail(500, message="script exhausted")
         if callable(step) and not isinstance(step, (Reply, Fail, Stall)):
@@ -195,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?")[0] != owner.path:
             self._send(404, owner.error(404, f"no endpoint {self.path}; this server answers {owner.path}"))
             return
-        step = owner._next(body)
+        step = owner._next(body, {k.lower(): v for k, v in self.headers.items()})
         if isinstance(step, Fail):
             headers = {"Retry-After": step.retry_after} if step.retry_after is not None else {}
             self._send(step.status, owner.error(step.status, step.message), headers)
