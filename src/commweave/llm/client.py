@@ -131,7 +131,8 @@ def _import_sdk(name: str) -> ModuleType:
     try:
         return __import__(name)
     except ModuleNotFoundError:
-        raise ImportError(f"the {name!r} SDK is not installed: pip install 'commweave[llm]' (or pip install {name})") from None
+        raise ImportError(f"the {name!r} SDK is not installed: pip install 'commweave[llm]' "
+                          f"(or pip install {name})") from None
 
 
 def _connection(config: ModelConfig) -> tuple[str | None, str]:

@@ -114,7 +114,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         try:
             import tomli as tomllib
         except ModuleNotFoundError:
-            raise ImportError("reading the LLM config on Python 3.10 needs tomli: pip install 'commweave[llm]'") from None
+            raise ImportError("reading the LLM config on Python 3.10 needs tomli: "
+                              "pip install 'commweave[llm]'") from None
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

@@ -139,8 +139,8 @@ def apply_diff(parent: str, response: str) -> str:
         if not search.strip():
             raise PatchError("no_match", f"{label}: its SEARCH is empty; copy the lines to replace from the program")
         if START in search or END in search:
-            raise PatchError("outside_block", f"{label}: its SEARCH contains an EVOLVE-BLOCK marker line; "
-                                              "edits must lie strictly between the markers, so leave the marker lines out")
+            raise PatchError("outside_block", f"{label}: its SEARCH contains an EVOLVE-BLOCK marker line; edits "
+                                              "must lie strictly between the markers, so leave the marker lines out")
         if START in replace or END in replace:
             raise PatchError("markers_removed", f"{label}: its REPLACE contains an EVOLVE-BLOCK marker; "
                                                 "the markers must stay exactly as they are")
@@ -207,7 +207,8 @@ def extract_json_block(response: str, tag: str = "json") -> dict:
     """The JSON object of the last fenced block tagged `tag`, else of the last untagged block that
     starts with '{'."""
     blocks = [b for b in _fenced_blocks(response) if b.closed]
-    found = [b for b in blocks if b.info == tag] or [b for b in blocks if not b.info and b.content.lstrip().startswith("{")]
+    found = ([b for b in blocks if b.info == tag]
+             or [b for b in blocks if not b.info and b.content.lstrip().startswith("{")])
     if not found:
         raise PatchError("no_json", f"the answer has no ```{tag} fenced block; put the JSON object in one")
     try:
