@@ -4,14 +4,16 @@ keys and base URLs."""
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import sys
 
 import pytest
 from llm_servers import Fail, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer, Stall
 
 from commweave.llm import (BadResponse, BudgetExceeded, CallRecord, Ledger, LLMTimeout, Message, ModelConfig,
-                           ServerError, client_for, resolve_model)
-from commweave.llm.client import LOCAL_PLACEHOLDER_KEY, OpenAIChatClient
+                           RateLimited, ServerError, client_for, resolve_model)
+from commweave.llm.client import LOCAL_PLACEHOLDER_KEY, MAX_RETRY_AFTER_S, OpenAIChatClient, _retry_after_s
 
 HI = [Message("user", "hi")]
 
@@ -66,6 +68,18 @@ def test_rate_limited_then_ok(server_cls):
     assert [r.outcome for r in records] == ["rate_limited", "ok"]
     assert "429" in records[0].message and records[0].cost_usd == 0
     assert wait >= 0.2  # Retry-After honoured, not the 1 ms backoff
+
+
+def test_retry_after_forms_and_cap():
+    future = email.utils.format_datetime(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=30))
+    assert _retry_after_s({"retry-after-ms": "150", "retry-after": "9"}) == pytest.approx(0.15)
+    assert _retry_after_s({"retry-after": "2"}) == 2.0
+    assert 25 < _retry_after_s({"retry-after": future}) <= 30
+    assert _retry_after_s({"retry-after": "soon"}) is None and _retry_after_s({}) is None
+    with ScriptedOpenAIServer() as srv:
+        client = client_for(srv.model())
+    assert client._wait_s(0, RateLimited("429", retry_after_s=3600)) == MAX_RETRY_AFTER_S
+    assert 0.02 <= client._wait_s(2, ServerError("500")) <= 0.06  # 0.01 s doubled twice, jitter x0.5..1.5
 
 
 def test_server_errors_exhaust_retries(server_cls):

@@ -82,7 +82,9 @@ class LLMClient(ABC):
         if max_tokens is None:
             max_tokens = self.config.max_tokens
         start = time.monotonic()
-        for attempt in range(self.config.max_retries + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 self.ledger.check()
             except BudgetExceeded as e:
@@ -93,9 +95,9 @@ class LLMClient(ABC):
                 reply = self._send(messages, system, temperature, max_tokens)
             except (RateLimited, ServerError, LLMTimeout) as e:
                 self._record(purpose, e.kind, 0, 0, 0.0, time.monotonic() - t0, e.message)
-                if attempt == self.config.max_retries:
+                if attempt > self.config.max_retries:
                     raise
-                time.sleep(self._wait_s(attempt, e))
+                time.sleep(self._wait_s(attempt - 1, e))
                 continue
             except LLMError as e:
                 self._record(purpose, e.kind, 0, 0, 0.0, time.monotonic() - t0, e.message)
@@ -109,18 +111,18 @@ class LLMClient(ABC):
             self._record(purpose, "ok", reply.input_tokens, reply.output_tokens, cost, latency, "")
             return Completion(text=reply.text, model=self.name, input_tokens=reply.input_tokens,
                               output_tokens=reply.output_tokens, cost_usd=cost,
-                              latency_s=time.monotonic() - start, attempts=attempt + 1)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+                              latency_s=time.monotonic() - start, attempts=attempt)
 
     def _record(self, purpose: str, outcome: str, input_tokens: int, output_tokens: int, cost: float,
                 latency_s: float, message: str) -> None:
         self.ledger.record(CallRecord(model=self.name, purpose=purpose, outcome=outcome, input_tokens=input_tokens,
                                       output_tokens=output_tokens, cost_usd=cost, latency_s=latency_s, message=message))
 
-    def _wait_s(self, attempt: int, error: LLMError) -> float:
+    def _wait_s(self, retry: int, error: LLMError) -> float:
+        """Seconds before retry number `retry` (0 = the first): Retry-After if given, else backoff."""
         if isinstance(error, RateLimited) and error.retry_after_s is not None:
             return min(error.retry_after_s, MAX_RETRY_AFTER_S)
-        return min(self.config.backoff_s * 2 ** attempt * self._rng.uniform(0.5, 1.5), MAX_BACKOFF_S)
+        return min(self.config.backoff_s * 2 ** retry * self._rng.uniform(0.5, 1.5), MAX_BACKOFF_S)
 
     @abstractmethod
     def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int) -> _Reply:
