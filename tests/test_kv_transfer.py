@@ -236,7 +236,7 @@ def test_seed_cuda_compiles(wl: KvTransfer) -> None:
     toolchain_or_skip()
     artifact = compile_cubin(seed_source(wl))
     assert artifact.path.exists()
-    for kernel in ("kv_push", "kv_land"):
+    for kernel in ("kv_push", "kv_land", "kv_pull"):
         assert f"'{kernel}'" in artifact.log
     assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
     assert "#define KV_UNROLL 8\n#define KV_MAX_THREADS 1024\n" in seed_source(wl, threads=1024, unroll=8)
@@ -254,7 +254,7 @@ def test_seed_launches_match_kernel_signatures(wl: KvTransfer, tmp_path) -> None
     ptx = tmp_path / "seed.ptx"
     params = {m.group(1): len(re.findall(r"\.param\b", m.group(2)))
               for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx.read_text(), re.S)}
-    assert set(params) == {"kv_push", "kv_land"}
+    assert set(params) == {"kv_push", "kv_land", "kv_pull"}
     names = dict(re.findall(r'"(\w+)": module\.kernel\("(\w+)"\)', text))  # state key -> kernel
     launches = {}
     for node in ast.walk(ast.parse(text)):
@@ -376,6 +376,75 @@ def test_seed_page_copy_on_host(wl: KvTransfer, tmp_path, unroll: int) -> None:
     run_host_check(seed_source(wl, unroll=unroll), PAGE_CHECK_MAIN, tmp_path, "page_check")
 
 
+# The pull kernel's page loop compiled for the host (kv_plan per layer and kv_pull_page, as kv_pull
+# calls them): every page of the source's cache lands at its destination block once, bit for bit,
+# and the destination's free blocks keep their poison.
+PULL_CHECK_MAIN = r"""
+#include <cstdio>
+#include <vector>
+#include <algorithm>
+
+static unsigned long long lcg(unsigned long long& s) { s = s * 6364136223846793005ull + 1442695040888963407ull; return s >> 33; }
+
+int main() {
+  int cases = 0, bad = 0;
+  const long long nb_list[] = {1, 3, 17};
+  const int heads_list[] = {1, 8};
+  const int thread_counts[] = {1, 64, 512, 1024};
+  const long long cta_counts[] = {1, 5, 132};
+  const int layers = 2;
+  const long long free_blocks = 2;
+  unsigned long long seed = 99;
+  for (long long nb : nb_list)
+  for (int heads : heads_list)
+  for (int nthreads : thread_counts)
+  for (long long ctas : cta_counts) {
+    const int token_units = heads * 128 * 2 / 16, page_units = 16 * token_units;
+    const long long total = nb + free_blocks;
+    std::vector<long long> src(total), dst(total);
+    for (long long i = 0; i < total; i++) src[i] = dst[i] = i;
+    for (long long i = total - 1; i > 0; i--) { std::swap(src[i], src[lcg(seed) % (i + 1)]); std::swap(dst[i], dst[lcg(seed) % (i + 1)]); }
+    std::vector<uint4> theirs((size_t)layers * 2 * total * page_units);
+    for (size_t u = 0; u < theirs.size(); u++) theirs[u] = make_uint4((unsigned)u + 1, (unsigned)(u * 5), 9u, (unsigned)cases);
+    const uint4 poison = make_uint4(0xEEEEEEEEu, 0xEEEEEEEEu, 0xEEEEEEEEu, 0xEEEEEEEEu);
+    std::vector<uint4> cache(theirs.size(), poison);
+    for (int layer = 0; layer < layers; layer++)
+      for (long long cta = 0; cta < ctas; cta++) {
+        const KvPlan plan = kv_plan(nb, layer, layer + 1, page_units, nthreads, KV_UNROLL);
+        for (long long q0 = cta * plan.pps; q0 < plan.pages; q0 += ctas * plan.pps)
+          for (int tid = 0; tid < nthreads; tid++) {
+            const int j = tid / plan.group, lane = tid % plan.group;
+            if (q0 + j < plan.pages)
+              kv_pull_page(theirs.data(), cache.data(), src.data(), dst.data(), nb, total, page_units, layer, q0 + j,
+                           lane, plan.group);
+          }
+      }
+    auto same = [](uint4 a, uint4 b) { return a.x == b.x && a.y == b.y && a.z == b.z && a.w == b.w; };
+    for (int layer = 0; layer < layers; layer++)
+      for (int half = 0; half < 2; half++)
+        for (long long b = 0; b < total; b++) {
+          long long i_dst = -1;
+          for (long long i = 0; i < nb; i++) if (dst[i] == b) i_dst = i;
+          const size_t at = kv_page(layer, half, b, total, page_units);
+          for (long long u = 0; u < page_units; u++) {
+            const uint4 want = i_dst < 0 ? poison : theirs[kv_page(layer, half, src[i_dst], total, page_units) + u];
+            if (!same(cache[at + u], want)) { bad++; goto next; }
+          }
+        }
+    next:
+    cases++;
+  }
+  printf("cases %d wrong %d\n", cases, bad);
+  return bad != 0;
+}
+"""
+
+
+@pytest.mark.parametrize("unroll", [1, 4])
+def test_seed_pull_page_copy_on_host(wl: KvTransfer, tmp_path, unroll: int) -> None:
+    run_host_check(seed_source(wl, unroll=unroll), PULL_CHECK_MAIN, tmp_path, "pull_check")
+
+
 # -- running the host baselines over gloo ---------------------------------------------------------
 # Spawned workers inherit sys.path (pytest has given it tests/), so they import kv_jobs by name.
 @pytest.fixture(scope="module")
@@ -427,6 +496,8 @@ SEED_VARIANTS = {
     "wide": dict(ctas=132, threads=1024, unroll=8),
     "narrow": dict(ctas=7, threads=128, unroll=1),
     "grouped": dict(prefill_ctas=5, layers_per_launch=3, unroll=2),
+    "grouped_push": dict(prefill_mode="push", prefill_ctas=5, layers_per_launch=3, unroll=2),
+    "pull_few": dict(pull_ctas=3, prefill_ctas=7, threads=128),
 }
 
 

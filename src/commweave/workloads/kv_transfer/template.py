@@ -14,7 +14,8 @@ What the seed implements, and so what this template renders:
   only in them render the same program). Both mappings depend on the shape, so a rendered program
   is specific to the shape it was rendered for (others still run correctly);
 - template knobs: `threads`, `unroll` (16-byte vectors in flight per thread), `comm_priority`,
-  `graph` (the seed's).
+  `graph`, `prefill_mode` (the seed's; with pull, comm CTAs still set the source's CTAs, which
+  then only write its own cache and signal).
 Everything else is rejected with the reason.
 """
 
@@ -32,6 +33,7 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "unroll": (1, 2, 4, 8),
     "comm_priority": (-1, 0),
     "graph": (True, False),
+    "prefill_mode": ("pull", "push"),  # P > 0: the destination pulls, or the source pushes (P = 0 always pushes)
 }
 COMM_CTAS = (1, 2, 4, 8, 16, 32, 64, 96, 132)  # 132: one per SM of an H200
 
@@ -61,7 +63,7 @@ class KvTransferTemplate(Template):
         defaults."""
         return DirectiveSet.make(backend="lsa", placement="split", sync="chunk", issuer="cta", comm_ctas=16,
                                  chunk_bytes=1 << 20, language="cuda",
-                                 knobs=dict(threads=512, unroll=4, comm_priority=-1, graph=True))
+                                 knobs=dict(threads=512, unroll=4, comm_priority=-1, graph=True, prefill_mode="pull"))
 
     def default_shape(self, world_size: int) -> Shape:
         return self.wl.make_shape(8192, world_size, passes=13)

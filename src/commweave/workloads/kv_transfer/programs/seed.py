@@ -21,7 +21,15 @@ fused) and to the destination's page dst_blocks[i]. When a CTA moves past a laye
 Destination (odd rank): one small `kv_land` kernel per call on its current stream: the LSA barrier,
 then one thread waits (acquire) until every flags[layer] reaches `ctas` and sets them back to 0.
 
-Why this is safe:
+Pull mode (`prefill_mode="pull"`, P > 0 only, the default there). Pushing takes `prefill_ctas`
+SMs from the prefill's GEMMs for as long as the NVLink stores take (v1.1: S2048-P13 43.2 ms against
+41.7 ms for the prefill alone). In pull mode the source's `kv_push` only writes its own cache (the
+write a prefill does anyway, a few µs of HBM time a layer) and releases the layer; the destination,
+whose SMs are idle, runs one `kv_pull` over all layers with `pull_ctas` CTAs: per layer, wait for
+the counter, then copy the layer's pages from the source's cache (through `out`'s window, the
+source's own `out`) into its own. The source's GEMMs lose only the cache write's SM time.
+
+Why this is safe (push; pull below):
 - Nobody stores into the destination's `out` too early. The first push launch of a call opens with
   an LSA barrier (every rank, CTA b with CTA b); a source CTA stores nothing before its barrier
   completes, and the destination enters it only from `kv_land`, which its stream runs after
@@ -39,6 +47,14 @@ Why this is safe:
   is cumulative, NCCL's barrier relies on the same); the waiter's acquire, then the kernel
   boundary, make every page visible to what the destination's stream runs next.
 
+Pull: the source writes its pages only after its first `kv_push` passed the barrier, which the
+destination enters only from this call's `kv_pull`, after the previous call's `kv_pull` (all its
+reads of the source's cache) and everything queued before this call on its stream finished; the
+destination writes only its own pages, after its poison in stream order. Counters get exactly
+`prefill_ctas` increments per layer and call; the last `kv_pull` CTA to finish resets them (and its
+`done` counter) when every CTA has passed every wait; the next call's increments come after the
+next barrier, so they cannot race the reset.
+
 A call is replayed as a CUDA graph (`graph`), captured per input/output addresses: one launch
 instead of up to 2 + L Python-issued ones (tens of µs of host time each on the GPU VM).
 """
@@ -55,11 +71,15 @@ CONFIG = dict(
     unroll=4,  # 16-byte vectors a thread loads before it stores them (in flight: ctas x threads x unroll x 16 B)
     layers_per_launch=1,  # P > 0: layers per push launch (1: each layer right after its prefill); P = 0: all
     comm_priority=-1,  # stream priority of the push (negative: scheduled ahead of the prefill's GEMMs)
+    prefill_mode="pull",  # P > 0: "pull" (the destination's CTAs read the pages; the source only writes its own
+    #                       cache and signals) or "push" (the source's prefill_ctas also store into the peer's cache)
+    pull_ctas=132,  # P > 0, pull: the destination's CTAs that read pages over NVLink (its SMs are otherwise idle)
     graph=True,  # replay each call as a CUDA graph (captured per input/output addresses)
-    communicate=True,  # False: only the stand-in prefill, no transfer (the "prefill_alone" yardstick; wrong output)
+    communicate=True,  # False: the stand-in prefill and its own cache write, no transfer ("prefill_alone"; wrong output)
 )
 MAX_CTAS = 1024  # one LSA barrier per CTA
 LAND_THREADS = 128  # kv_land only meets the barrier and waits
+KV_OWN, KV_SIGNAL, KV_PUSH = 0, 1, 2  # kv_push's mode (CUDA_SRC's defines)
 MAX_GRAPHS = 32  # captured calls kept per setup (the benchmark rotates a few input sets)
 
 CUDA_SRC = r"""
@@ -130,7 +150,8 @@ __host__ __device__ __forceinline__ void kv_cta_loop(const KvPlan plan, long lon
 // Page p (half = p / nb, block i = p % nb) of one layer, the share of thread tid of nthreads: the
 // 16 tokens [16i, 16i + 16) of kv[layer, half] (zeros past `tokens`) to this rank's cache page
 // src_blocks[i] and to page dst_blocks[i] of `theirs` (the peer's cache through its window, or any
-// buffer of the same layout). Each pass loads KV_UNROLL vectors before storing them.
+// buffer of the same layout; nullptr: this rank's page only). Each pass loads KV_UNROLL vectors
+// before storing them.
 __host__ __device__ __forceinline__ void kv_push_page(const uint4* __restrict__ kv, uint4* cache, uint4* theirs,
                                                       const long long* src_blocks, const long long* dst_blocks,
                                                       long long nb, long long total, long long tokens,
@@ -143,7 +164,7 @@ __host__ __device__ __forceinline__ void kv_push_page(const uint4* __restrict__ 
   const int valid = (int)(tokens - 16 * i < 16 ? tokens - 16 * i : 16) * token_units;
   const uint4* from = kv + ((size_t)(layer * 2 + half) * (size_t)tokens + 16 * (size_t)i) * (size_t)token_units;
   uint4* mine = cache + kv_page(layer, half, src_blocks[i], total, page_units);
-  uint4* peer = theirs + kv_page(layer, half, dst_blocks[i], total, page_units);
+  uint4* peer = theirs ? theirs + kv_page(layer, half, dst_blocks[i], total, page_units) : nullptr;
   for (int base = tid; base < page_units; base += KV_UNROLL * nthreads) {
     uint4 v[KV_UNROLL];
 #pragma unroll
@@ -155,7 +176,7 @@ __host__ __device__ __forceinline__ void kv_push_page(const uint4* __restrict__ 
     for (int k = 0; k < KV_UNROLL; k++) {
       const int w = base + k * nthreads;
       if (w < page_units) {
-        peer[w] = v[k];  // NVLink first: the remote stores are the long pole
+        if (peer) peer[w] = v[k];  // NVLink first: the remote stores are the long pole
         mine[w] = v[k];
       }
     }
@@ -168,16 +189,22 @@ __device__ inline void kv_barrier(ncclDevComm& dc) {
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
 }
 
+// What kv_push does besides writing this rank's cache pages.
+#define KV_OWN 0     // nothing (the prefill_alone yardstick: the cache write a prefill does anyway)
+#define KV_SIGNAL 1  // release each layer to the peer, which pulls the pages (kv_pull)
+#define KV_PUSH 2    // store each page into the peer's cache too, then release the layer
+
 // Source. kv: [L, 2, tokens, KV, D] (token_units 16-byte vectors per token); cache: this rank's
 // [L, 2, total, 16, KV, D]; the peer's cache (same layout) is out_win at out_offset. Layers
-// [l0, l1); each CTA adds 1 to the peer's flags[layer] once per layer of the launch.
+// [l0, l1); unless mode is KV_OWN, each CTA adds 1 to the peer's flags[layer] once per layer of
+// the launch.
 extern "C" __global__ void __launch_bounds__(KV_MAX_THREADS)
 kv_push(const uint4* __restrict__ kv, uint4* cache, const long long* src_blocks, const long long* dst_blocks,
         long long nb, long long total, long long tokens, int token_units, int l0, int l1, int peer,
         ncclWindow_t out_win, size_t out_offset, ncclWindow_t flag_win, size_t flag_offset, int open_barrier,
-        ncclDevComm dc) {
+        int mode, ncclDevComm dc) {
   if (open_barrier) kv_barrier(dc);
-  uint4* theirs = (uint4*)ncclGetLsaPointer(out_win, out_offset, peer);
+  uint4* theirs = mode == KV_PUSH ? (uint4*)ncclGetLsaPointer(out_win, out_offset, peer) : nullptr;
   unsigned long long* flags = (unsigned long long*)ncclGetLsaPointer(flag_win, flag_offset, peer);
   const KvPlan plan = kv_plan(nb, l0, l1, 16 * token_units, (int)blockDim.x, KV_UNROLL);
   const int j = (int)threadIdx.x / plan.group, lane = (int)threadIdx.x % plan.group;
@@ -192,7 +219,7 @@ kv_push(const uint4* __restrict__ kv, uint4* cache, const long long* src_blocks,
       },
       [=](int from, int to) {
         __syncthreads();  // the whole CTA's stores of these layers before the release
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0 && mode != KV_OWN) {
           for (int layer = from; layer < to; layer++) kv_flag(flags[layer]).fetch_add(1ull, cuda::memory_order_release);
         }
       });
@@ -209,6 +236,69 @@ extern "C" __global__ void kv_land(unsigned long long* flags, int layers, unsign
     }
   }
   for (int layer = 0; layer < layers; layer++) kv_flag(flags[layer]).store(0ull, cuda::memory_order_relaxed);
+}
+
+// Page p (half = p / nb, block i = p % nb) of one layer, the share of thread tid of nthreads: the
+// source's page src_blocks[i] (`theirs`: its cache through its window) to this rank's page
+// dst_blocks[i], as it is (zeros past S included).
+__host__ __device__ __forceinline__ void kv_pull_page(const uint4* theirs, uint4* cache, const long long* src_blocks,
+                                                      const long long* dst_blocks, long long nb, long long total,
+                                                      int page_units, int layer, long long p, int tid, int nthreads) {
+  const int half = (int)(p / nb);
+  const long long i = p % nb;
+  const uint4* from = theirs + kv_page(layer, half, src_blocks[i], total, page_units);
+  uint4* to = cache + kv_page(layer, half, dst_blocks[i], total, page_units);
+  for (int base = tid; base < page_units; base += KV_UNROLL * nthreads) {
+    uint4 v[KV_UNROLL];
+#pragma unroll
+    for (int k = 0; k < KV_UNROLL; k++) {
+      const int w = base + k * nthreads;
+      if (w < page_units) v[k] = from[w];
+    }
+#pragma unroll
+    for (int k = 0; k < KV_UNROLL; k++) {
+      const int w = base + k * nthreads;
+      if (w < page_units) to[w] = v[k];
+    }
+  }
+}
+
+// Destination, pull mode: meet the source's opening barrier (indices 0 .. barriers - 1, as many as
+// the source has CTAs), then layer by layer: one thread per CTA waits (acquire) until the layer's
+// counter reaches target (every source CTA has written its pages of it and released them), then
+// the CTAs copy the layer's pages from the source's cache into this rank's. The last CTA to finish
+// resets the counters (and `done`) for the next call: every CTA has passed every wait by then.
+extern "C" __global__ void __launch_bounds__(KV_MAX_THREADS)
+kv_pull(uint4* cache, const long long* src_blocks, const long long* dst_blocks, long long nb, long long total,
+        int token_units, int layers, int peer, ncclWindow_t out_win, size_t out_offset, unsigned long long* flags,
+        unsigned long long target, unsigned int* done, int barriers, ncclDevComm dc) {
+  for (int b = blockIdx.x; b < barriers; b += gridDim.x) {
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dc, ncclTeamLsa(dc), dc.lsaBarrier, (uint32_t)b};
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  }
+  const uint4* theirs = (const uint4*)ncclGetLsaPointer(out_win, out_offset, peer);
+  const int page_units = 16 * token_units;
+  for (int layer = 0; layer < layers; layer++) {
+    if (threadIdx.x == 0) {
+      kv_flag flag(flags[layer]);
+      while (flag.load(cuda::memory_order_acquire) < target) {
+      }
+    }
+    __syncthreads();  // the acquire, then the CTA's loads of the layer's pages
+    const KvPlan plan = kv_plan(nb, layer, layer + 1, page_units, (int)blockDim.x, KV_UNROLL);
+    const int j = (int)threadIdx.x / plan.group, lane = (int)threadIdx.x % plan.group;
+    for (long long q0 = (long long)blockIdx.x * plan.pps; q0 < plan.pages; q0 += (long long)gridDim.x * plan.pps) {
+      if (q0 + j < plan.pages) kv_pull_page(theirs, cache, src_blocks, dst_blocks, nb, total, page_units, layer, q0 + j, lane, plan.group);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<unsigned int, cuda::thread_scope_device> finished(*done);
+    if (finished.fetch_add(1u, cuda::memory_order_acq_rel) == gridDim.x - 1) {
+      for (int layer = 0; layer < layers; layer++) kv_flag(flags[layer]).store(0ull, cuda::memory_order_relaxed);
+      finished.store(0u, cuda::memory_order_relaxed);
+    }
+  }
 }
 """
 
@@ -240,6 +330,16 @@ def _check_config(shape):
     which = "prefill_ctas" if shape["P"] else "ctas"
     if not (isinstance(ctas, int) and 1 <= ctas <= MAX_CTAS):
         raise ValueError(f"CONFIG[{which!r}] must be an int in [1, {MAX_CTAS}], not {ctas!r}")
+    if CONFIG["prefill_mode"] not in ("pull", "push"):
+        raise ValueError(f"CONFIG['prefill_mode'] must be 'pull' or 'push', not {CONFIG['prefill_mode']!r}")
+    pull = CONFIG["pull_ctas"]
+    if not (isinstance(pull, int) and 1 <= pull <= MAX_CTAS):
+        raise ValueError(f"CONFIG['pull_ctas'] must be an int in [1, {MAX_CTAS}], not {pull!r}")
+
+
+def pulls(shape):
+    """Whether the destination pulls the pages: with the stand-in prefill, in pull mode."""
+    return bool(shape["P"]) and CONFIG["prefill_mode"] == "pull"
 
 
 def setup(ctx, shape):
@@ -256,7 +356,8 @@ def setup(ctx, shape):
     token_bytes = shape["KV"] * shape["D"] * 2
     return {
         "is_src": rank % 2 == 0, "peer": rank ^ 1, "flags": flags, "flag_win": ctx.window(flags), "dc": dc,
-        "push": module.kernel("kv_push"), "land": module.kernel("kv_land"), "ctas": ctas,
+        "push": module.kernel("kv_push"), "land": module.kernel("kv_land"), "pull": module.kernel("kv_pull"),
+        "ctas": ctas, "pulls": pulls(shape), "done": torch.zeros(1, dtype=torch.int32, device=ctx.device),
         "stream": ctx.stream("kv_push", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
         "token_units": token_bytes // 16, "passes": shape["P"],
         "scratch": torch.empty(shape["S"], 4096, dtype=torch.bfloat16, device=ctx.device) if shape["P"] and rank % 2 == 0 else None,
@@ -299,15 +400,20 @@ def run(ctx, state, inputs, out):
 def _call(ctx, state, inputs, out, win):
     main = torch.cuda.current_stream(ctx.device)
     layers, ctas = out.shape[0], state["ctas"]
-    if not CONFIG["communicate"]:
-        for _ in range(state["passes"] * layers if state["is_src"] else 0):
-            torch.matmul(inputs["x"], inputs["w"], out=state["scratch"])
-        return
+    src_blocks, dst_blocks = inputs["src_blocks"], inputs["dst_blocks"]
+    nb, total = dst_blocks.numel(), out.shape[2]
     if not state["is_src"]:
-        state["land"].launch(ctas, LAND_THREADS, [state["flags"], layers, ctas, state["dc"]], stream=main)
+        if not CONFIG["communicate"]:
+            return
+        if state["pulls"]:
+            state["pull"].launch(CONFIG["pull_ctas"], CONFIG["threads"], [
+                out, src_blocks, dst_blocks, nb, total, state["token_units"], layers, state["peer"], win, win.offset,
+                state["flags"], ctas, state["done"], ctas, state["dc"]], stream=main)
+        else:
+            state["land"].launch(ctas, LAND_THREADS, [state["flags"], layers, ctas, state["dc"]], stream=main)
         return
-    kv, src_blocks, dst_blocks = inputs["kv"], inputs["src_blocks"], inputs["dst_blocks"]
-    nb, total, comm = dst_blocks.numel(), out.shape[2], state["stream"]
+    kv, comm = inputs["kv"], state["stream"]
+    mode = KV_OWN if not CONFIG["communicate"] else KV_SIGNAL if state["pulls"] else KV_PUSH
     per_launch = CONFIG["layers_per_launch"] if state["passes"] else layers
     comm.wait_stream(main)  # this rank's earlier work on `out` is done
     for l0 in range(0, layers, per_launch):
@@ -318,7 +424,8 @@ def _call(ctx, state, inputs, out, win):
             comm.wait_stream(main)
         state["push"].launch(ctas, CONFIG["threads"], [
             kv, out, src_blocks, dst_blocks, nb, total, kv.shape[2], state["token_units"], l0, l1,
-            state["peer"], win, win.offset, state["flag_win"], state["flag_win"].offset, int(l0 == 0), state["dc"],
+            state["peer"], win, win.offset, state["flag_win"], state["flag_win"].offset,
+            int(l0 == 0 and mode != KV_OWN), mode, state["dc"],
         ], stream=comm)
     main.wait_stream(comm)
 # EVOLVE-BLOCK-END
