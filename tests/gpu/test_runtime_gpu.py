@@ -58,3 +58,12 @@ def test_call_graphs_replay_on_new_data_and_evict(pool):
     result = pool.run("commweave.runtime.selftest:call_graphs_replay")
     assert result.ok, result.first_failure()
     assert all(v["ok"] and v["kept"] == 2 for v in result.values), result.values
+
+
+@needs_gpus
+def test_hold_stream_waits_for_release_or_its_timeout(pool):
+    result = pool.run("commweave.runtime.selftest:hold_stream")
+    assert result.ok, result.first_failure()
+    for v in result.values:
+        assert v["held"] and v["released"], v
+        assert v["timeout_s"] < 1.0, v

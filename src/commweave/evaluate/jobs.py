@@ -226,14 +226,18 @@ class RankBench:
 def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torch.Tensor,
                      untouched: torch.Tensor | None) -> tuple[float, bool]:
     """(seconds, output ready at the end of the timed region). Poisoning happens before the timed
-    region; all ranks start it together (a device-side barrier on GPUs)."""
+    region; all ranks start it together (a device-side barrier on GPUs). On GPUs the stream is held
+    until the call is queued (`hold_stream`), so the timer measures the GPUs' time, not the host's
+    launch time: what a call costs inside a model whose host runs ahead of its GPUs."""
     poison_(out)
     if ctx.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        release = ctx.hold_stream()
         ctx.device_barrier()
         start.record()
         program.run(ctx, state, dict(inputs), out)
         end.record()
+        release()
         unready = not_ready(out, untouched)  # queued right after the end event: the output as the timer saw it
         torch.cuda.synchronize(ctx.device)
         return start.elapsed_time(end) * 1e-3, not bool(unready)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,8 @@ class RankContext:
         self._free: list[_SymmetricAllocation] = []
         self._candidate_dev_comms: list[DevComm] = []
         self._harness_dev_comm: DevComm | None = None
+        self._gate_flag: torch.Tensor | None = None  # hold_stream(): pinned host flag, polled by the GPU
+        self._gate_count = 0
         self._peer_ptr_cache: dict[tuple[int, int], list[int]] = {}
 
     @classmethod
@@ -239,6 +241,23 @@ class RankContext:
         if self._harness_dev_comm is None:
             self._harness_dev_comm = comm.create_dev_comm(lsa_barriers=1)
         self._helpers().cw_lsa_barrier(1, 128, [self._harness_dev_comm], stream=stream)
+
+    def hold_stream(self, timeout_s: float = 0.05, stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
+        """Hold `stream` (default: current) until the returned release() is called, or `timeout_s`
+        has passed on the GPU: the host queues a timed region behind it, so the region's work is
+        queued before it starts. The flag is pinned host memory the gate kernel polls."""
+        if not self.is_cuda:
+            raise RuntimeUnavailable("hold_stream() needs CUDA")
+        if self._gate_flag is None:
+            self._gate_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._gate_count += 1
+        expected = self._gate_count
+        self._helpers().cw_host_gate(1, 32, [self._gate_flag, expected, int(timeout_s * 1e9)], stream=stream)
+
+        def release() -> None:
+            self._gate_flag[0] = expected
+
+        return release
 
     # -- lifetime -------------------------------------------------------------------------------
     def end_candidate(self) -> None:

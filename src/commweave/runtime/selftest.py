@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -93,3 +94,23 @@ def call_graphs_replay(ctx: RankContext) -> dict[str, Any]:
             torch.cuda.synchronize(ctx.device)
             ok &= bool(torch.allclose(out, x @ x, rtol=1e-3, atol=1e-3))
     return {"ok": ok, "kept": len(graphs)}
+
+
+def hold_stream(ctx: RankContext) -> dict[str, Any]:
+    """hold_stream on a GPU: work queued behind the gate waits for release(); without a release,
+    the gate lets the stream go after its timeout."""
+    x = torch.ones(1 << 20, device=ctx.device)
+    release = ctx.hold_stream(timeout_s=5.0)
+    x.mul_(2)
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(0.2)
+    held = not done.query()
+    release()
+    done.synchronize()
+    ctx.hold_stream(timeout_s=0.01)  # never released
+    x.mul_(2)
+    began = time.perf_counter()
+    torch.cuda.synchronize(ctx.device)
+    waited_s = time.perf_counter() - began
+    return {"held": held, "released": bool((x == 4).all()), "timeout_s": waited_s}
