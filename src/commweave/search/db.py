@@ -10,6 +10,14 @@ go on from where they stopped). Tables:
   (JSON: candidate/baseline medians, floor, compile and evaluation seconds), proposer, cost ($),
   created_at
 - `migrations`: a program copied to another island (it is not evaluated again)
+- `llm_calls`: one row per LLM request attempt (`commweave.llm.CallRecord`: model, purpose,
+  outcome, tokens, cost, latency, error message), plus one row per response the search could not
+  use (outcome 'malformed:<kind>' with the parse error; its tokens and cost are on the attempt's
+  own 'ok' row) or rejected as a duplicate; `program_id` links a proposal's rows to the program it
+  produced. Each insert also sets the run's `llm_spent_usd` to the table's sum, in one transaction.
+
+Writes are serialised by a lock: LLM calls are recorded from the threads that make them.
+Tables are created if missing, so databases of older runs open unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import datetime as dt
 import hashlib
 import json
 import sqlite3
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +59,19 @@ CREATE TABLE IF NOT EXISTS migrations (
     from_island INTEGER NOT NULL,
     to_island INTEGER NOT NULL,
     generation INTEGER NOT NULL,
+    created_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS llm_calls (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    cost REAL NOT NULL DEFAULT 0,
+    latency_s REAL NOT NULL DEFAULT 0,
+    message TEXT NOT NULL DEFAULT '',
+    program_id INTEGER REFERENCES programs (id),
     created_at TEXT NOT NULL
 );
 """
@@ -98,6 +120,7 @@ class ProgramDB:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.executescript(SCHEMA)
+        self._write = threading.Lock()
 
     def close(self) -> None:
         self.conn.close()
@@ -110,7 +133,7 @@ class ProgramDB:
 
     # -- run metadata ---------------------------------------------------------------------------
     def set_meta(self, **values: Any) -> None:
-        with self.conn:
+        with self._write, self.conn:
             self.conn.execute("BEGIN")
             self.conn.executemany("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)",
                                   [(k, json.dumps(v)) for k, v in values.items()])
@@ -126,7 +149,7 @@ class ProgramDB:
         """Insert one program (and optionally update run metadata) in one committed transaction."""
         if status not in ("ok", "failed"):
             raise ValueError(f"status must be ok or failed, not {status!r}")
-        with self.conn:
+        with self._write, self.conn:
             self.conn.execute("BEGIN")
             cur = self.conn.execute(
                 "INSERT INTO programs (code, code_hash, directives, directive_key, parents, island, generation, status,"
@@ -141,10 +164,46 @@ class ProgramDB:
             return int(cur.lastrowid)
 
     def add_migration(self, program_id: int, from_island: int, to_island: int, generation: int) -> None:
-        with self.conn:
+        with self._write, self.conn:
             self.conn.execute("BEGIN")
             self.conn.execute("INSERT INTO migrations (program_id, from_island, to_island, generation, created_at)"
                               " VALUES (?, ?, ?, ?, ?)", (program_id, from_island, to_island, generation, _now()))
+
+    # -- LLM calls ------------------------------------------------------------------------------
+    def add_llm_call(self, *, model: str, purpose: str, outcome: str, input_tokens: int = 0, output_tokens: int = 0,
+                     cost: float = 0.0, latency_s: float = 0.0, message: str = "", program_id: int | None = None) -> int:
+        """Insert one call (or unusable response) and set run meta `llm_spent_usd` to the table's sum."""
+        with self._write, self.conn:
+            self.conn.execute("BEGIN")
+            cur = self.conn.execute(
+                "INSERT INTO llm_calls (model, purpose, outcome, input_tokens, output_tokens, cost, latency_s, message,"
+                " program_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (model, purpose, outcome, int(input_tokens), int(output_tokens), float(cost), float(latency_s), message,
+                 program_id, _now()))
+            spent = self.conn.execute("SELECT COALESCE(SUM(cost), 0) FROM llm_calls").fetchone()[0]
+            self.conn.execute("INSERT OR REPLACE INTO run (key, value) VALUES ('llm_spent_usd', ?)", (json.dumps(spent),))
+            return int(cur.lastrowid)
+
+    def link_llm_calls(self, call_ids: list[int], program_id: int) -> None:
+        """Mark the calls that produced a program."""
+        if not call_ids:
+            return
+        with self._write, self.conn:
+            self.conn.execute("BEGIN")
+            self.conn.executemany("UPDATE llm_calls SET program_id = ? WHERE id = ?", [(program_id, i) for i in call_ids])
+
+    def llm_calls(self, outcome: str | None = None, program_id: int | None = None) -> list[dict[str, Any]]:
+        """Rows of `llm_calls` in order, optionally only one outcome or one program's."""
+        query, args = "SELECT * FROM llm_calls", []
+        where = [(c, v) for c, v in (("outcome", outcome), ("program_id", program_id)) if v is not None]
+        if where:
+            query += " WHERE " + " AND ".join(f"{c} = ?" for c, _ in where)
+            args = [v for _, v in where]
+        return [dict(r) for r in self.conn.execute(query + " ORDER BY id", args)]
+
+    def llm_spent(self) -> float:
+        """Dollars spent on LLM calls in this run (every invocation of it)."""
+        return float(self.conn.execute("SELECT COALESCE(SUM(cost), 0) FROM llm_calls").fetchone()[0])
 
     @staticmethod
     def _record(row: sqlite3.Row) -> ProgramRecord:
