@@ -4,12 +4,15 @@ It reads the directive set a rendered program claims (its header line) and retur
 `EvalResult` shaped exactly like the real Evaluator's: fitness = peak x decay^(distance to the
 optimum), where the distance counts steps along ordered dimensions (comm CTAs, chunk bytes,
 threads) and 1 per differing categorical dimension; rules can make chosen sets fail with any
-failure class. It lets the search (selection, phases, failure memory, migration, resume, report)
+failure class. What runs is the text: a program's literal `CONFIG = dict(...)` entries for
+`backend`, `comm_ctas` and the set's knobs override what its header claims (a rendered program's
+agree with it; an LLM's edit of CONFIG changes the simulated fitness). It lets the search (selection, phases, failure memory, migration, resume, report)
 be tested and demonstrated on a CPU, where the optimum is known.
 """
 
 from __future__ import annotations
 
+import ast
 import random
 import time
 from pathlib import Path
@@ -53,6 +56,27 @@ class SimulatedEvaluator:
     def fitness(self, ds: DirectiveSet) -> float:
         return self.peak * self.decay ** self.distance(ds)
 
+    @staticmethod
+    def running(text: str, ds: DirectiveSet) -> DirectiveSet:
+        """`ds` with the values the program's literal CONFIG sets for backend, comm_ctas and its knobs."""
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            return ds
+        call = next((n.value for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+                     and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "CONFIG"), None)
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "dict"):
+            return ds
+        changes = {}
+        for kw in call.keywords:
+            name = kw.arg if kw.arg in ("backend", "comm_ctas") else f"knob:{kw.arg}" if kw.arg in ds.knob_dict else None
+            if name is not None:
+                try:
+                    changes[name] = ast.literal_eval(kw.value)
+                except ValueError:
+                    continue
+        return ds.with_(**changes)
+
     def compile_source(self, source: str) -> None:
         """No nvcc: the simulation measures nothing a compile could change."""
 
@@ -67,12 +91,13 @@ class SimulatedEvaluator:
         if ds is None:
             result = EvalResult(0.0, Verdict.failed(FailureClass.RUNTIME_ERROR, "no directive header"), label)
         else:
-            failure = next((f for f in (rule(ds) for rule in self.rules) if f), None)
+            runs = self.running(text, ds)
+            failure = next((f for f in (rule(runs) for rule in self.rules) if f), None)
             if failure:
                 verdict = Verdict.failed(FailureClass(failure), f"simulated {FailureClass(failure)}", shape=label)
                 result = EvalResult(0.0, verdict, label, None, None, {"host": baseline}, floor)
             else:
-                fit = self.fitness(ds) * (1 + self.noise * self.rng.gauss(0, 1))
+                fit = self.fitness(runs) * (1 + self.noise * self.rng.gauss(0, 1))
                 us = self.baseline_us / fit
                 timing = ProgramTiming("candidate", Verdict.passed(), us, us, us)
                 result = EvalResult(fit, Verdict.passed("simulated"), label, timing, "host", {"host": baseline}, floor)
