@@ -90,6 +90,9 @@ def test_no_match_shows_the_nearest_lines():
     assert "edit 1 of 1" in err.value.message and "threads=256" in err.value.message
     assert "nearest lines in the EVOLVE-BLOCKs are 7-7" in err.value.message
     assert "    7| CONFIG = dict(comm_ctas=8, threads=512)" in err.value.message
+    wrong_middle = '    assert ctx is not None\n    out = inputs["a"] @ inputs["c"]\n    out = out * 2\n'
+    with pytest.raises(PatchError, match="nearest lines in the EVOLVE-BLOCKs are 11-13:\n   11|     assert ctx"):
+        apply_diff(PARENT, _diff((wrong_middle, "")))
 
 
 def test_no_match_says_when_only_whitespace_differs():

@@ -107,24 +107,30 @@ def _occurrences(text: str, search: str) -> list[int]:
 
 
 def _nearest(text: str, spans: list[tuple[int, int]], search: str) -> str:
-    """The block lines most like `search`, numbered, for a model to copy."""
-    want = _lines(search)
-    best: tuple[float, int, list[str]] | None = None
+    """The block lines most like `search`, numbered, for a model to copy: the window of as many
+    lines sharing the most lines with it (whitespace aside), else the window starting at the line
+    most like its first line."""
+    want = [w.strip() for w in _lines(search)]
+    windows: list[tuple[int, list[str]]] = []  # (first line number, lines)
     for a, b in spans:
         region = _lines(text[a:b])
         first = _line_of(text, a)
-        for i in range(max(1, len(region) - len(want) + 1)):
-            window = region[i:i + len(want)]
-            if [w.strip() for w in window] == [s.strip() for s in want]:
-                return (f"lines {first + i}-{first + i + len(window) - 1} match it except for whitespace; "
-                        "copy their indentation and spacing exactly")
-            ratio = difflib.SequenceMatcher(None, "".join(window), search).ratio()
-            if best is None or ratio > best[0]:
-                best = (ratio, first + i, window)
-    if best is None or not best[2]:
+        windows += [(first + i, region[i:i + len(want)]) for i in range(max(1, len(region) - len(want) + 1))]
+    windows = [w for w in windows if w[1]]
+    if not windows:
         return "the EVOLVE-BLOCKs are empty"
-    numbered = "".join(f"{best[1] + k:5d}| {line}" for k, line in enumerate(best[2]))
-    return f"the nearest lines in the EVOLVE-BLOCKs are {best[1]}-{best[1] + len(best[2]) - 1}:\n{numbered}"
+    shared = [sum(x.strip() == y for x, y in zip(lines, want)) for _, lines in windows]
+    if max(shared) == len(want):
+        line = windows[shared.index(len(want))][0]
+        return (f"lines {line}-{line + len(want) - 1} match it except for whitespace; "
+                "copy their indentation and spacing exactly")
+    if max(shared) > 0:
+        line, lines = windows[shared.index(max(shared))]
+    else:
+        likeness = [difflib.SequenceMatcher(None, lines[0].strip(), want[0]).ratio() for _, lines in windows]
+        line, lines = windows[likeness.index(max(likeness))]
+    numbered = "".join(f"{line + k:5d}| {text_line}" for k, text_line in enumerate(lines))
+    return f"the nearest lines in the EVOLVE-BLOCKs are {line}-{line + len(lines) - 1}:\n{numbered}"
 
 
 def apply_diff(parent: str, response: str) -> str:
