@@ -338,5 +338,109 @@ def export(
                   highlight=False)
 
 
+# -- agents -----------------------------------------------------------------------------------------
+agent_app = typer.Typer(no_args_is_help=True, help="LLM agents that write programs: the fast path.")
+app.add_typer(agent_app, name="agent")
+
+
+def _workload_named(name: str) -> Any:
+    """A registered workload, or one given by its class as 'module:Class' (importable here and in
+    the workers, constructible without arguments)."""
+    from commweave.runtime.pool import resolve_function
+    from commweave.workloads import Workload, get_workload
+
+    if ":" not in name:
+        return get_workload(name)
+    try:
+        workload = resolve_function(name)()
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"workload class {name!r} cannot be imported: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise ValueError(f"{name} is not a commweave Workload")
+    return workload
+
+
+@agent_app.command("fast-path")
+def fast_path(
+    program: Path = typer.Argument(..., help="a host-driven program: Python (torch.distributed) in the program format, or CUDA with host NCCL calls"),
+    workload: str = typer.Option(..., "--workload", help="the workload it computes (see `commweave list`), or 'module:Class'"),
+    gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
+    shape: str = typer.Option(None, "--shape", help="shape to benchmark the result at (default: the template's, else the first bench shape)"),
+    bench: bool = typer.Option(True, "--bench/--no-bench", help="time the result beside the workload's baselines"),
+    llm: str = typer.Option(None, "--llm", help="the model: a name from the LLM config, or provider:model "
+                            "(openai:gpt-4.1; openai:qwen@http://localhost:8000/v1 for a local server); "
+                            "without it the workload's template is instantiated at the conservative directive set"),
+    llm_config: Path = typer.Option(None, "--llm-config", help="TOML file of models (default: $COMMWEAVE_LLM_CONFIG, else ./commweave-llm.toml)"),
+    llm_budget: float = typer.Option(None, "--llm-budget", min=0, help="dollars the LLM calls may spend; then the run stops"),
+    attempts: int = typer.Option(3, "--attempts", min=1, help="attempts per stage (A, then B)"),
+    out: Path = typer.Option(None, "--out", help="file for the converted program (default: runs/fast-path-<workload>-<gpus>gpu-<time>.py); "
+                             "the attempt log goes beside it as <name>.attempts.json"),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu for a dry run of the loop on gloo workers "
+                               "(no device-initiated code can run there, so stage B may keep host calls)"),
+    job_timeout: float = typer.Option(300.0, "--job-timeout", help="seconds before a hung candidate is killed"),
+) -> None:
+    """Convert a host-driven program into a device-initiated one: stage A adds symmetric buffers,
+    windows and a device communicator while keeping the host collectives; stage B replaces them
+    under the conservative directives. The cascade judges every attempt; an LLM judge diagnoses
+    failures for the next attempt."""
+    import datetime as dt
+
+    from commweave.agents import AnalysisError, FastPath, FastPathError, analyze_program
+    from commweave.evaluate.evaluator import Evaluator
+    from commweave.evaluate.floor import calibrate
+    from commweave.evaluate.verdict import EvaluationError
+    from commweave.llm import Ledger, client_for, load_models, resolve_model
+    from commweave.runtime import PoolStartError, WorkerPool
+
+    if device not in ("cuda", "cpu"):
+        _fail(f"--device must be cuda or cpu, not {device!r}")
+    try:
+        wl = _workload_named(workload)
+        wl.check_world_size(gpus)
+        analyze_program(program)  # the wrong kind of file, or one without collectives, fails here
+        try:
+            template = wl.template()
+        except LookupError:
+            template = None
+        if llm is None and (llm_config is not None or llm_budget is not None):
+            raise ValueError("--llm-config and --llm-budget need --llm MODEL")
+        client = client_for(resolve_model(llm, load_models(llm_config)), Ledger(llm_budget)) if llm else None
+        if client is None and template is None:
+            raise ValueError(f"no LLM given (--llm) and workload {wl.name!r} has no template to instantiate")
+        bench_shape = None
+        if bench:
+            bench_shape = (wl.parse_shape(shape, gpus) if shape else
+                           template.default_shape(gpus) if template is not None else wl.bench_shapes(gpus)[0])
+    except (KeyError, ValueError, AnalysisError, FileNotFoundError, ImportError) as exc:
+        _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))
+    if device == "cuda":
+        _require_gpus(gpus, f"agent fast-path --gpus {gpus}")
+    if out is None:
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        out = Path("runs") / f"fast-path-{wl.name}-{gpus}gpu-{stamp}.py"
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False, markup=False)
+
+    if device == "cpu":
+        say("dry run on CPU workers: stage B may keep host calls (no device-initiated code runs on a CPU)")
+    try:
+        with WorkerPool(gpus, device=device, job_timeout_s=job_timeout) as pool:
+            rates = calibrate(pool) if bench_shape is not None else None
+            evaluator = Evaluator(pool, wl, rates=rates, job_timeout_s=job_timeout)
+            agent = FastPath(wl, evaluator, client, world_size=gpus, attempts=attempts,
+                             require_device_initiated=device == "cuda", log=say)
+            result = agent.run(program, bench_shape)
+    except (PoolStartError, EvaluationError, FastPathError) as exc:
+        _fail(str(exc))
+    written, log = result.write(out)
+    say(result.message)
+    if written is None:
+        say(f"no program written; every attempt is in {log}")
+        raise typer.Exit(1)
+    hint = f". Time it: commweave bench {wl.name} --gpus {gpus} --candidate {written}" if ":" not in workload else ""
+    say(f"program: {written} (attempt log: {log}){hint}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()
