@@ -38,7 +38,7 @@ from commweave.llm import Ledger, client_for, extract_code
 from commweave.runtime import WorkerPool
 from commweave.space import directives_of, program_body
 from commweave.workloads import get_workload
-from llm_servers import Reply, ScriptedAnthropicServer, ScriptedOpenAIServer
+from llm_servers import Fail, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer
 from toy_workload import ToyGatherMatmul
 
 TESTS = Path(__file__).parent
@@ -237,6 +237,7 @@ def test_fast_path_needs_one_judge_round(toy_evaluator, server, tmp_path):
     assert "stage A of 2" in stage_a_prompt and "line 13, in run(): `all_gather`" in stage_a_prompt
     assert "ncclGetLsaPointer" in stage_a_prompt and "relative Frobenius error" in stage_a_prompt
     assert "stage B of 2" in stage_b_prompt and "placement: `deferred`" in stage_b_prompt
+    assert "line 14, in run(): `all_gather_into_tensor`" in stage_b_prompt  # stage A's analysis, not the input's
     assert extract_code(script("toy", "stage_a")).strip() in stage_b_prompt
     assert JUDGE_SYSTEM in judge and "do not prescribe" in judge.lower() and "wrong_result" in judge
     assert "relative error" in judge and re.search(r"21\| +pending.append\(dist.irecv", judge)
@@ -275,6 +276,20 @@ def test_malformed_answer_is_a_failed_attempt_with_the_error_fed_back(toy_evalua
     assert "failed: parse_error" in prompts[1] and "no ```python fenced block" in prompts[1]
     assert "never closed" in prompts[2]
     assert "judge" not in [r.purpose for r in records]  # nothing ran, nothing to diagnose
+
+
+def test_unreachable_model_is_a_failed_attempt_not_a_crash(toy_evaluator):
+    """HTTP 500 on the first call and both retries: that attempt fails as llm_error, the next one
+    gets the stage's prompt without feedback, and the run goes on."""
+    with ScriptedOpenAIServer([Fail(500)] * 3 + [TOY_FLOW[0], TOY_FLOW[3]]) as srv:
+        agent, records = toy_agent(toy_evaluator, srv)
+        result = agent.run(TOY_INPUT)
+        retry = srv.prompt(3)
+    assert result.ok, result.message
+    assert [(a.stage, a.failure) for a in result.attempts] == [("input", None), ("A", "llm_error"), ("A", None),
+                                                               ("B", None)]
+    assert "could not be reached" in result.attempts[1].message and "previous attempt" not in retry
+    assert [r.outcome for r in records] == ["server_error"] * 3 + ["ok", "ok"]
 
 
 def test_attempts_are_bounded_and_failure_is_a_result(toy_evaluator, tmp_path):

@@ -96,7 +96,7 @@ class ProgramAnalysis:
     def render_prompt(self) -> str:
         """A prompt section: every collective, stream, sync point and piece of device code, by line."""
         kind = "Python, torch.distributed" if self.language == "python" else "CUDA, host NCCL calls"
-        lines = [f"## Analysis of the input program `{self.name}` ({kind})", ""]
+        lines = [f"## Static analysis of `{self.name}` ({kind})", ""]
         if self.functions:
             lines += [f"Module-level functions: {', '.join(self.functions)}", ""]
         lines.append(f"Host-issued communication ({len(self.collectives)}):")

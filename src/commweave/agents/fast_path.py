@@ -240,7 +240,8 @@ class FastPath:
             if stage_a is None:
                 result.stage, result.message = "A", f"stage A found no passing program in {self.attempts} attempts"
                 return result
-            stage_b = self._stage("B", facts, analysis, stage_a, "python", ds, result)
+            stage_a_analysis = analyze_source(stage_a, "python", "the stage A program")  # its collectives, by line
+            stage_b = self._stage("B", facts, stage_a_analysis, stage_a, "python", ds, result)
         except _Stop as stop:
             result.message = str(stop)
             return result
@@ -269,8 +270,9 @@ class FastPath:
             if attempt.failure not in ("parse_error", "host_collectives", "llm_error") and not last:
                 attempt.diagnosis = self._judge(stage, facts, attempt)
             self.log(_line(attempt))
-            message = attempt.message + (f"\n{attempt.detail}" if attempt.detail else "")
-            feedback = Feedback(n, attempt.failure or "", message, attempt.program, attempt.diagnosis)
+            if attempt.failure != "llm_error":  # an unreachable model teaches the next attempt nothing
+                message = attempt.message + (f"\n{attempt.detail}" if attempt.detail else "")
+                feedback = Feedback(n, attempt.failure or "", message, attempt.program, attempt.diagnosis)
         return None
 
     def _attempt(self, stage: str, n: int, prompt: str, ds: DirectiveSet | None) -> Attempt:
