@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from commweave.search.db import ProgramDB
 from commweave.search.evolve import Budget, Evolution, SearchConfig
@@ -40,10 +40,12 @@ def run_meta(path: Path) -> dict[str, Any]:
 
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
            config: SearchConfig, *, rates: Any = None, workload: Any = None, capabilities: Any = None,
-           progress: Any = None, stop_after_s: float | None = None):
+           progress: Any = None, stop_after_s: float | None = None, llm_models: Sequence[Any] = (),
+           llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
-    speedup so far. Returns (best record or None, evaluations in the database, whether it stopped
-    at `stop_after_s` with budget left)."""
+    speedup so far (and the LLM dollars spent). `llm_models` (ModelConfigs) propose on the last
+    `config.llm_islands` islands. Returns (best record or None, evaluations in the database,
+    whether it stopped at `stop_after_s` with budget left)."""
     with ProgramDB(db_path) as db:
         task = None
 
@@ -52,11 +54,13 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
                 return
             best = search.best
             what = f"best {best.fitness:.2f}x (#{best.id})" if best else "no correct program yet"
+            spent = f" · LLM ${search.ledger.spent_usd:.2f}" if search.llm is not None else ""
             progress.update(task, completed=min(search.fraction(), 1.0) * 1000,
-                            description=f"{search.phase()} · {search.evaluated} evaluated · {what}")
+                            description=f"{search.phase()} · {search.evaluated} evaluated · {what}{spent}")
 
         search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates, workload=workload,
-                           capabilities=capabilities, on_result=on_result)
+                           capabilities=capabilities, on_result=on_result, llm_models=llm_models,
+                           llm_budget_usd=llm_budget_usd, hardware=hardware)
         if progress is not None:
             task = progress.add_task("starting", total=1000)
         best = search.run(stop_after_s)
