@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from commweave.runtime.pool import apply_safe_env
@@ -25,7 +26,7 @@ def _safe_environment() -> None:
 
 def _fail(message: str, code: int = 2) -> None:
     """One clear line on stderr, then a non-zero exit."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -226,15 +227,26 @@ def evolve(
     job_timeout: float = typer.Option(120.0, "--job-timeout", help="seconds before a hung candidate is killed"),
     stop_after: str = typer.Option(None, "--stop-after", help="leave this invocation after this long (9m, 540s) with "
                                    "budget left; --resume continues (for machines lent in short slots)"),
+    llm: list[str] = typer.Option(None, "--llm", help="a model for the LLM islands: a name from the LLM config, or "
+                                  "provider:model (openai:gpt-4.1; openai:qwen@http://localhost:8000/v1 for a local "
+                                  "server); repeat for several (a bandit picks by fitness gain per dollar)"),
+    llm_config: Path = typer.Option(None, "--llm-config", help="TOML file of models (default: $COMMWEAVE_LLM_CONFIG, "
+                                    "else ./commweave-llm.toml)"),
+    llm_budget: float = typer.Option(None, "--llm-budget", min=0, help="dollars the LLM calls may spend; then the LLM "
+                                     "islands stop proposing (on --resume: a new cap for the whole run)"),
+    llm_islands: int = typer.Option(None, "--llm-islands", min=0, help="islands that propose with the LLM (default "
+                                    "with --llm: half of --islands, at least 1)"),
 ) -> None:
-    """Search the workload's directive space and template knobs on this machine's GPUs (offline
-    proposer, no LLM). Every evaluated program goes to one SQLite file per run; --resume continues
-    a run killed at any moment."""
+    """Search the workload's directive space and template knobs on this machine's GPUs. Offline
+    proposer by default; with --llm, some islands ask a model for code-level changes instead.
+    Every evaluated program (and every LLM call) goes to one SQLite file per run; --resume
+    continues a run killed at any moment."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from commweave.evaluate.evaluator import Evaluator
     from commweave.evaluate.floor import calibrate
     from commweave.evaluate.verdict import EvaluationError
+    from commweave.llm import ModelConfig, client_for, load_models, resolve_model
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.search import Budget, SearchConfig
     from commweave.search.driver import evolve as drive, new_run_path, run_meta, template_for
@@ -242,6 +254,7 @@ def evolve(
     from commweave.workloads import get_workload
 
     try:
+        meta: dict[str, Any] = {}
         if resume is not None:
             meta = run_meta(resume)
             if meta["workload"] != workload:
@@ -250,6 +263,20 @@ def evolve(
             run_budget = Budget(**meta["budget"])
         else:
             run_budget = Budget.parse(budget)
+        # models first: an unknown name, a missing SDK or key is said before any GPU starts
+        if llm:
+            found = load_models(llm_config)
+            models = [resolve_model(spec, found) for spec in llm]
+        else:
+            models = [ModelConfig(**m) for m in meta.get("llm_models", [])]  # a resumed LLM run keeps its models
+            if not models and (llm_config or llm_budget is not None or llm_islands):
+                raise ValueError("--llm-config, --llm-budget and --llm-islands need --llm MODEL")
+        for model in models:
+            client_for(model)
+        if llm_islands is None:
+            llm_islands = (meta.get("config", {}).get("llm_islands") or max(1, islands // 2)) if models else 0
+        if models and not 1 <= llm_islands <= islands:
+            raise ValueError(f"--llm-islands {llm_islands} must be between 1 and the {islands} islands with --llm")
         stop_after_s = None
         if stop_after is not None:
             stop_after_s = Budget.parse(stop_after).seconds
@@ -259,28 +286,41 @@ def evolve(
         wl.check_world_size(gpus)
         template = template_for(wl)
         chosen = wl.parse_shape(shape, gpus) if shape else template.default_shape(gpus)
-    except (KeyError, ValueError, LookupError, FileNotFoundError) as exc:
+    except (KeyError, ValueError, LookupError, FileNotFoundError, ImportError) as exc:
         _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
     _require_gpus(gpus, f"evolve {workload} --gpus {gpus}")
     path = resume if resume is not None else new_run_path(workload, gpus, runs_dir)
     console.print(f"run: {path} ({chosen}, {gpus} GPUs, budget {run_budget.to_dict()})", highlight=False)
-    config = SearchConfig(islands=islands, compile_workers=compile_workers, seed=seed)
+    if models:
+        cap = f"${llm_budget:g}" if llm_budget is not None else "the run's" if resume is not None else "no cap"
+        console.print(f"LLM islands: {llm_islands} of {islands} ({', '.join(m.name for m in models)}; budget {cap})",
+                      highlight=False)
+    config = SearchConfig(islands=islands, compile_workers=compile_workers, seed=seed, llm_islands=llm_islands)
     try:
         with WorkerPool(gpus, job_timeout_s=job_timeout) as pool:
             rates = calibrate(pool)
             probe = pool.run("commweave.runtime.selftest:probe")
             capabilities = Capabilities.from_probe(probe.values[0]) if probe.ok else \
                 Capabilities(False, f"probe failed: {probe.first_failure()}")
+            info = probe.values[0] if probe.ok else {}
+            hardware = {"GPUs": gpus, **{label: info[key] for key, label in (("gpu", "GPU"), ("nccl_loaded", "NCCL"),
+                                                                            ("lsa_size", "LSA (NVLink) team size"))
+                                         if key in info}}
             evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates, job_timeout_s=job_timeout)
             columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress:
                 best, count, paused = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
                                             workload=wl, capabilities=capabilities, progress=progress,
-                                            stop_after_s=stop_after_s)
+                                            stop_after_s=stop_after_s, llm_models=models, llm_budget_usd=llm_budget,
+                                            hardware=hardware)
     except (PoolStartError, EvaluationError) as exc:
         _fail(f"{exc} (every evaluated program is in {path}; continue with --resume {path})")
     except KeyboardInterrupt:
         _fail(f"interrupted; every evaluated program is in {path}: continue with --resume {path}", code=130)
+    if models:
+        after = run_meta(path)
+        console.print(f"LLM: ${after.get('llm_spent_usd', 0.0):.4f} spent; run ended: {after.get('stop_reason')}",
+                      highlight=False)
     if paused:
         console.print(f"stopped after {stop_after} with budget left ({count} evaluated so far); continue with "
                       f"commweave evolve {workload} --resume {path}", highlight=False)
