@@ -191,10 +191,14 @@ def test_seed_knobs(wl: KvTransfer) -> None:
     text = with_config(wl.program_text("seed"), ctas=32, prefill_ctas=8, unroll=2, layers_per_launch=4)
     assert "ctas=32" in text and "prefill_ctas=8" in text and "layers_per_launch=4" in text
     seed = load_program(text, "seed")
-    assert seed.push_ctas(wl.parse_shape("S2048", 2)) == 32 and seed.push_ctas(wl.parse_shape("S2048-P13", 2)) == 8
+    # pull mode (the default) writes the source's cache with every SM between GEMMs; push mode pushes beside them
+    assert seed.push_ctas(wl.parse_shape("S2048", 2)) == 32 and seed.push_ctas(wl.parse_shape("S2048-P13", 2)) == 32
+    pushing = load_program(with_config(text, prefill_mode="push"), "seed")
+    assert pushing.push_ctas(wl.parse_shape("S2048-P13", 2)) == 8 and pushing.push_ctas(wl.parse_shape("S2048", 2)) == 32
     bad = {
         "threads": (100, "multiple of 32"), "unroll": (0, "unroll"), "layers_per_launch": (0, "layers_per_launch"),
         "ctas": (2000, "CONFIG\\['ctas'\\] must be an int in \\[1, 1024\\]"),
+        "prefill_mode": ("both", "'pull' or 'push'"), "pull_ctas": (0, "CONFIG\\['pull_ctas'\\]"),
     }
     for knob, (value, message) in bad.items():
         broken = load_program(with_config(text, **{knob: value}), "seed")

@@ -49,13 +49,17 @@ def test_chunk_bytes_become_layers_per_launch():
 
 
 def test_comm_ctas_set_the_knob_of_the_shape():
-    """With the stand-in prefill the CTAs are taken from its GEMMs (`prefill_ctas`); transfer-only
-    shapes set `ctas` and push every layer in one launch, so chunk bytes render nothing there."""
+    """With the stand-in prefill the communication CTAs are the destination's pulling ones
+    (`pull_ctas`, pull mode) or the pushing ones taken from the GEMMs (`prefill_ctas`, push mode);
+    transfer-only shapes set `ctas` and push every layer in one launch, so chunk bytes render
+    nothing there."""
     seed = load_program(TEMPLATE.wl.program_text("seed")).CONFIG
     ds = TEMPLATE.seed_directives().with_(comm_ctas=96, chunk_bytes=128 << 20, knobs={"unroll": 8})
     prefill = load_program(TEMPLATE.render(ds, SHAPE, 2)).CONFIG
-    got = (prefill["prefill_ctas"], prefill["layers_per_launch"], prefill["ctas"], prefill["unroll"])
-    assert got == (96, 4, seed["ctas"], 8)
+    got = (prefill["pull_ctas"], prefill["layers_per_launch"], prefill["ctas"], prefill["prefill_ctas"], prefill["unroll"])
+    assert got == (96, 4, seed["ctas"], seed["prefill_ctas"], 8)
+    pushing = load_program(TEMPLATE.render(ds.with_(knobs={"prefill_mode": "push"}), SHAPE, 2)).CONFIG
+    assert (pushing["prefill_ctas"], pushing["pull_ctas"], pushing["prefill_mode"]) == (96, seed["pull_ctas"], "push")
     transfer_shape = TEMPLATE.wl.make_shape(8192, 2)
     transfer = load_program(TEMPLATE.render(ds, transfer_shape, 2)).CONFIG
     got = (transfer["ctas"], transfer["prefill_ctas"], transfer["layers_per_launch"])
@@ -76,7 +80,8 @@ def test_rendered_sample_parses_and_carries_its_directives():
         parse_program(text)
         assert directives_of(text) == ds
         config = load_program(text).CONFIG
-        assert config["prefill_ctas"] == ds.comm_ctas and config["layers_per_launch"] == TEMPLATE.layers_per_launch(ds, SHAPE)
+        comm = "pull_ctas" if ds.knob_dict["prefill_mode"] == "pull" else "prefill_ctas"
+        assert config[comm] == ds.comm_ctas and config["layers_per_launch"] == TEMPLATE.layers_per_launch(ds, SHAPE)
         assert all(config[k] == v for k, v in ds.knobs)
         rendered += 1
     assert rendered

@@ -245,7 +245,9 @@ class RankContext:
     def hold_stream(self, timeout_s: float = 0.05, stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
         """Hold `stream` (default: current) until the returned release() is called, or `timeout_s`
         has passed on the GPU: the host queues a timed region behind it, so the region's work is
-        queued before it starts. The flag is pinned host memory the gate kernel polls."""
+        queued before it starts. The flag is pinned host memory the gate kernel polls. (A kernel
+        launched for the first time while the gate runs is loaded lazily by CUDA, which waits for
+        the gate: the host then blocks until the timeout, once per kernel.)"""
         if not self.is_cuda:
             raise RuntimeUnavailable("hold_stream() needs CUDA")
         if self._gate_flag is None:

@@ -100,6 +100,8 @@ def hold_stream(ctx: RankContext) -> dict[str, Any]:
     """hold_stream on a GPU: work queued behind the gate waits for release(); without a release,
     the gate lets the stream go after its timeout."""
     x = torch.ones(1 << 20, device=ctx.device)
+    x.mul_(1)  # load the kernel now: lazy loading a kernel waits for a running gate to end
+    torch.cuda.synchronize(ctx.device)
     release = ctx.hold_stream(timeout_s=5.0)
     x.mul_(2)
     done = torch.cuda.Event()

@@ -6,8 +6,9 @@ What the seed implements, and so what this template renders:
   stream), issuer `cta` (a CTA copies whole pages, one release signal per CTA and layer), language
   `cuda`, no compression;
 - sync `chunk`: one counter per layer on the destination;
-- comm CTAs -> the CTA knob of the rendered shape: CONFIG `prefill_ctas` when it runs the stand-in
-  prefill (P > 0: the CTAs are SMs taken from its GEMMs), else `ctas` (transfer only);
+- comm CTAs -> the CTA knob of the rendered shape: with the stand-in prefill (P > 0) CONFIG
+  `pull_ctas` in pull mode (the destination's CTAs) or `prefill_ctas` in push mode (SMs taken from
+  the GEMMs), else `ctas` (transfer only);
 - chunk bytes -> CONFIG `layers_per_launch` = chunk bytes over one layer's bytes (2 * pages * page
   bytes), at least 1, at most L, for P > 0 shapes only: without a prefill the seed pushes every
   layer in one launch, so chunk bytes change nothing there and are not rendered (sets that differ
@@ -59,9 +60,9 @@ class KvTransferTemplate(Template):
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
     def seed_directives(self) -> DirectiveSet:
-        """The seed on the default (prefill) shape: 16 push CTAs, one layer per launch, its CONFIG
-        defaults."""
-        return DirectiveSet.make(backend="lsa", placement="split", sync="chunk", issuer="cta", comm_ctas=16,
+        """The seed on the default (prefill) shape: pull mode with 132 pulling CTAs, one layer per
+        launch, its CONFIG defaults."""
+        return DirectiveSet.make(backend="lsa", placement="split", sync="chunk", issuer="cta", comm_ctas=132,
                                  chunk_bytes=1 << 20, language="cuda",
                                  knobs=dict(threads=512, unroll=4, comm_priority=-1, graph=True, prefill_mode="pull"))
 
@@ -77,8 +78,10 @@ class KvTransferTemplate(Template):
     def config_for(ds: DirectiveSet, shape: Shape) -> dict[str, Any]:
         """The CONFIG entries `ds` sets on `shape`."""
         if shape["P"]:
-            return dict(prefill_ctas=ds.comm_ctas, layers_per_launch=KvTransferTemplate.layers_per_launch(ds, shape),
-                        **ds.knob_dict)
+            # the SMs given to communication: the destination's pulling CTAs, or the source's pushing ones
+            which = "pull_ctas" if ds.knob_dict.get("prefill_mode", "pull") == "pull" else "prefill_ctas"
+            return {which: ds.comm_ctas, "layers_per_launch": KvTransferTemplate.layers_per_launch(ds, shape),
+                    **ds.knob_dict}
         return dict(ctas=ds.comm_ctas, **ds.knob_dict)
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:

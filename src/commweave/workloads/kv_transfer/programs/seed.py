@@ -24,7 +24,8 @@ then one thread waits (acquire) until every flags[layer] reaches `ctas` and sets
 Pull mode (`prefill_mode="pull"`, P > 0 only, the default there). Pushing takes `prefill_ctas`
 SMs from the prefill's GEMMs for as long as the NVLink stores take (v1.1: S2048-P13 43.2 ms against
 41.7 ms for the prefill alone). In pull mode the source's `kv_push` only writes its own cache (the
-write a prefill does anyway, a few µs of HBM time a layer) and releases the layer; the destination,
+write a prefill does anyway: on the current stream between the GEMMs, with `ctas` CTAs, a few µs
+of HBM time a layer) and releases the layer; the destination,
 whose SMs are idle, runs one `kv_pull` over all layers with `pull_ctas` CTAs: per layer, wait for
 the counter, then copy the layer's pages from the source's cache (through `out`'s window, the
 source's own `out`) into its own. The source's GEMMs lose only the cache write's SM time.
@@ -65,8 +66,8 @@ from commweave.runtime.graphs import CallGraphs
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
-    ctas=132,  # push CTAs on transfer-only shapes (P = 0): every SM is free (sweep on 2 GPUs: 132 > 64 by 3-4 %)
-    prefill_ctas=16,  # push CTAs while the stand-in prefill runs (P > 0): SMs taken from its GEMMs
+    ctas=132,  # source CTAs with every SM free: transfer only (P = 0; sweep on 2 GPUs: 132 > 64 by 3-4 %), pull mode's cache write
+    prefill_ctas=16,  # push mode, P > 0: push CTAs beside the stand-in prefill (SMs taken from its GEMMs)
     threads=512,  # threads per push CTA (compiled in as the kernel's launch bound)
     unroll=4,  # 16-byte vectors a thread loads before it stores them (in flight: ctas x threads x unroll x 16 B)
     layers_per_launch=1,  # P > 0: layers per push launch (1: each layer right after its prefill); P = 0: all
@@ -309,8 +310,9 @@ def cuda_source():
 
 
 def push_ctas(shape):
-    """Push CTAs for `shape`: all SMs may copy when there is no prefill, few when GEMMs need them."""
-    return CONFIG["prefill_ctas"] if shape["P"] else CONFIG["ctas"]
+    """The source's CTAs for `shape`: all SMs when nothing runs beside them (transfer only, or pull
+    mode's cache write, queued between the prefill's GEMMs), few when they push beside the GEMMs."""
+    return CONFIG["prefill_ctas"] if shape["P"] and CONFIG["prefill_mode"] == "push" else CONFIG["ctas"]
 
 
 def available(ctx):
@@ -327,7 +329,7 @@ def _check_config(shape):
         raise ValueError(f"CONFIG['unroll'] must be an int in [1, 16], not {unroll!r}")
     if not (isinstance(per_launch, int) and per_launch >= 1):
         raise ValueError(f"CONFIG['layers_per_launch'] must be an int >= 1, not {per_launch!r}")
-    which = "prefill_ctas" if shape["P"] else "ctas"
+    which = "prefill_ctas" if shape["P"] and CONFIG["prefill_mode"] == "push" else "ctas"
     if not (isinstance(ctas, int) and 1 <= ctas <= MAX_CTAS):
         raise ValueError(f"CONFIG[{which!r}] must be an int in [1, {MAX_CTAS}], not {ctas!r}")
     if CONFIG["prefill_mode"] not in ("pull", "push"):
@@ -412,7 +414,10 @@ def _call(ctx, state, inputs, out, win):
         else:
             state["land"].launch(ctas, LAND_THREADS, [state["flags"], layers, ctas, state["dc"]], stream=main)
         return
-    kv, comm = inputs["kv"], state["stream"]
+    kv = inputs["kv"]
+    # pull: the cache write takes every SM for a few µs between GEMMs (beside them, its CTAs would
+    # hold SMs the GEMMs' waves need); push: the stores run beside the next layer's GEMMs
+    comm = main if state["pulls"] else state["stream"]
     mode = KV_OWN if not CONFIG["communicate"] else KV_SIGNAL if state["pulls"] else KV_PUSH
     per_launch = CONFIG["layers_per_launch"] if state["passes"] else layers
     comm.wait_stream(main)  # this rank's earlier work on `out` is done
