@@ -244,14 +244,18 @@ def test_resume_keeps_the_spent_dollars(tmp_path):
 
 
 def test_llm_and_offline_islands_in_one_search(tmp_path):
-    """The offline island keeps the evaluator busy while the model writes (its answers are slow)."""
+    """The offline island keeps the evaluator busy while the model writes (its answers are slow);
+    once it has good programs, crossover prompts combine one of them with the LLM island's parent."""
     slow = distinct_rewrites()
     with ScriptedOpenAIServer([lambda body: Stall(0.3, slow(body))] * 20) as srv:
-        search = search_with(tmp_path, srv, budget=20, islands=2, llm_islands=1, patch="full",
+        search = search_with(tmp_path, srv, budget=30, islands=2, llm_islands=1, patch="crossover",
                              model=dict(timeout_s=5.0), delay_s=0.03)
         search.run()
+        texts = [srv.prompt(i) for i in range(len(srv.requests))]
+    assert "Combine the parent" not in texts[0]  # only the seed exists: a full rewrite instead
+    assert any("Combine the parent with program #" in t and "(to combine with the parent)" in t for t in texts[1:])
     programs = search.db.programs()
-    assert len(programs) == 20
+    assert len(programs) == 30
     by = {p.island: {q.proposer for q in programs if q.island == p.island} for p in programs}
     assert by[0] <= {"seed", "offline"} and by[1] == {"scripted"}
     first_llm = min(p.id for p in programs if p.proposer == "scripted")
@@ -278,6 +282,27 @@ def test_meta_summary_reaches_later_prompts(tmp_path):
     assert "fitness" in texts[asked[0]] and "#1" in texts[asked[0]]  # the database's best programs
     assert {r["purpose"] for r in search.db.llm_calls()} == {"propose", "meta"}
     costs_add_up(search)
+
+
+def test_driver_shows_the_llm_spend(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from commweave.search.driver import evolve
+
+    out = StringIO()
+    def answer(body):  # the patch type is the search's random choice: answer in the form asked for
+        return GOOD_DIFF if "SEARCH/REPLACE edits" in body["messages"][-1]["content"] else GOOD_REWRITE
+
+    with ScriptedOpenAIServer([answer]) as srv, Progress(console=Console(file=out, width=150)) as progress:
+        best, count, paused = evolve(tmp_path / "d.sqlite", TEMPLATE, SimulatedEvaluator(TEMPLATE, 4, OPTIMUM), SHAPE, 4,
+                                     Budget(evaluations=2), SearchConfig(islands=1, llm_islands=1), progress=progress,
+                                     llm_models=[srv.model(**PRICES)], llm_budget_usd=1.0, hardware={"GPU": "sim"})
+        assert "- GPU: sim" in srv.prompt(0)
+    assert count == 2 and best.proposer == "scripted" and not paused
+    assert "LLM $0.00" in out.getvalue()
 
 
 # -- prompts, patch mix, parsing ----------------------------------------------------------------
