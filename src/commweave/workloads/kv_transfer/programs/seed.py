@@ -221,7 +221,10 @@ kv_push(const uint4* __restrict__ kv, uint4* cache, const long long* src_blocks,
       [=](int from, int to) {
         __syncthreads();  // the whole CTA's stores of these layers before the release
         if (threadIdx.x == 0 && mode != KV_OWN) {
-          for (int layer = from; layer < to; layer++) kv_flag(flags[layer]).fetch_add(1ull, cuda::memory_order_release);
+          // one system-scope release fence, then relaxed increments: a release on each increment
+          // would fence once per layer (up to L fences a CTA at the end of a launch)
+          cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_system);
+          for (int layer = from; layer < to; layer++) kv_flag(flags[layer]).fetch_add(1ull, cuda::memory_order_relaxed);
         }
       });
 }
