@@ -32,7 +32,7 @@ def wl() -> KvTransfer:
 def test_identity(wl: KvTransfer) -> None:
     assert wl.name == "kv-transfer" and wl.world_sizes == (2, 4) and wl.seed == "seed"
     assert wl.baselines == ("host", "host_per_block", "host_layerwise")
-    assert wl.program_names() == sorted(PROGRAMS)
+    assert wl.program_names() == sorted(PROGRAMS + ("peer_copy",))  # peer_copy: a yardstick only
     assert wl.tolerance() == 0.0
 
 
@@ -185,6 +185,13 @@ def test_program_parses(wl: KvTransfer, name: str) -> None:
     parsed = parse_program(wl.program_text(name))
     assert {"setup", "run"} <= parsed.functions
     assert bool(parsed.cuda_sources) == (name == "seed")
+
+
+def test_yardsticks_parse(wl: KvTransfer) -> None:
+    assert set(wl.yardsticks) == {"prefill_alone", "peer_copy"}
+    for name in wl.yardsticks:
+        assert {"setup", "run"} <= parse_program(wl.yardstick_text(name)).functions
+    assert "communicate=False" in wl.yardstick_text("prefill_alone")
 
 
 def test_seed_knobs(wl: KvTransfer) -> None:

@@ -67,8 +67,10 @@ class KvTransfer(Workload):
     baselines = ("host", "host_per_block", "host_layerwise")
     seed = "seed"
     symmetric_output = True  # the decode cache in a window: the seed stores pages straight into it
-    #: end to end against the stand-in prefill alone (no transfer): what "hidden" is measured against
-    yardsticks = {"prefill_alone": ("seed", {"communicate": False})}
+    #: prefill_alone: the stand-in prefill and its own cache write, no transfer (what "hidden" is
+    #: measured against); peer_copy: one contiguous copy-engine copy of the same bytes (what the link
+    #: gives one copy of this size)
+    yardsticks = {"prefill_alone": ("seed", {"communicate": False}), "peer_copy": ("peer_copy", {})}
 
     # -- shapes ---------------------------------------------------------------------------------
     def make_shape(self, tokens: int, world_size: int, kv_heads: int = KV_HEADS, passes: int = 0,

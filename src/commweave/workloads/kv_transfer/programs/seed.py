@@ -56,8 +56,10 @@ destination writes only its own pages, after its poison in stream order. Counter
 `done` counter) when every CTA has passed every wait; the next call's increments come after the
 next barrier, so they cannot race the reset.
 
-A call is replayed as a CUDA graph (`graph`), captured per input/output addresses: one launch
-instead of up to 2 + L Python-issued ones (tens of µs of host time each on the GPU VM).
+A transfer-only call is replayed as a CUDA graph (`graph`), captured per input/output addresses:
+one launch instead of a few Python-issued ones. Calls with the stand-in prefill run eagerly: its
+cuBLAS GEMMs ran slower inside a captured graph (S2048-P13, pull: 41989 µs captured, 40394 eager;
+sweep-kv-transfer-2gpu-20261201T000115Z.json).
 """
 
 import torch
@@ -75,7 +77,8 @@ CONFIG = dict(
     prefill_mode="pull",  # P > 0: "pull" (the destination's CTAs read the pages; the source only writes its own
     #                       cache and signals) or "push" (the source's prefill_ctas also store into the peer's cache)
     pull_ctas=132,  # P > 0, pull: the destination's CTAs that read pages over NVLink (its SMs are otherwise idle)
-    graph=True,  # replay each call as a CUDA graph (captured per input/output addresses)
+    graph=True,  # replay each transfer-only call (P = 0) as a CUDA graph, captured per input/output addresses
+    #              (calls with the stand-in prefill run eagerly: its GEMMs ran ~4 % slower captured, S2048-P13)
     communicate=True,  # False: the stand-in prefill and its own cache write, no transfer ("prefill_alone"; wrong output)
 )
 MAX_CTAS = 1024  # one LSA barrier per CTA
@@ -396,7 +399,7 @@ def run(ctx, state, inputs, out):
             raise ValueError("the new K/V must be contiguous and 16-byte aligned")
         if kv.shape[0] != out.shape[0] or kv.shape[3:] != out.shape[4:]:
             raise ValueError(f"kv {tuple(kv.shape)} does not match the cache {tuple(out.shape)} (layers, KV heads, head dim)")
-    if CONFIG["graph"] and (CONFIG["communicate"] or state["is_src"]):  # (the idle decode side: an empty graph)
+    if CONFIG["graph"] and not state["passes"] and (CONFIG["communicate"] or state["is_src"]):  # (idle decode side: empty)
         state["graphs"](lambda: _call(ctx, state, inputs, out, win), [*inputs.values(), out])
     else:
         _call(ctx, state, inputs, out, win)
