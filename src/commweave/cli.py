@@ -196,7 +196,7 @@ def bench(
     path = write_results(f"bench-{workload}-{gpus}gpu", payload, out_dir=out_dir)
     console.print(table)
     if yardsticks:
-        console.print(f"yardsticks ({', '.join(yardsticks)}): timed in the same job, not checked (they skip communication)")
+        console.print(f"yardsticks ({', '.join(yardsticks)}): timed in the same job, not checked (see the workload's yardsticks)")
     for row in rows:
         held = {n: t["memory_bytes"] for n, t in (row["bench"] or {}).get("programs", {}).items() if t.get("memory_bytes") is not None}
         if held:
