@@ -10,6 +10,7 @@ import random
 import sqlite3
 import sys
 import threading
+import time
 
 import pytest
 from llm_servers import Fail, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer, Stall
@@ -244,22 +245,35 @@ def test_resume_keeps_the_spent_dollars(tmp_path):
 
 
 def test_llm_and_offline_islands_in_one_search(tmp_path):
-    """The offline island keeps the evaluator busy while the model writes (its answers are slow);
-    once it has good programs, crossover prompts combine one of them with the LLM island's parent."""
-    slow = distinct_rewrites()
-    with ScriptedOpenAIServer([lambda body: Stall(0.3, slow(body))] * 20) as srv:
-        search = search_with(tmp_path, srv, budget=30, islands=2, llm_islands=1, patch="crossover",
-                             model=dict(timeout_s=5.0), delay_s=0.03)
+    """The evaluator keeps working while the model writes: each answer is held back until the
+    offline island has had 4 more programs evaluated (an evaluator waiting on the model would never
+    get there). Once the offline island has good programs, crossover prompts combine one of them
+    with the LLM island's parent."""
+    rewrites = distinct_rewrites()
+    held: dict = {}
+    released_by_progress: list[bool] = []
+
+    def after_four_evaluations(body):
+        search, start = held["search"], held["search"].evaluator.calls
+        deadline = time.monotonic() + 4.0
+        while search.evaluator.calls < start + 4 and not search.exhausted() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        released_by_progress.append(search.evaluator.calls >= start + 4)
+        return rewrites(body)
+
+    with ScriptedOpenAIServer([after_four_evaluations] * 20) as srv:
+        held["search"] = search = search_with(tmp_path, srv, budget=30, islands=2, llm_islands=1, patch="crossover",
+                                              model=dict(timeout_s=5.0), delay_s=0.01, llm_meta_every=1000)
         search.run()
         texts = [srv.prompt(i) for i in range(len(srv.requests))]
+    assert len(texts) >= 2 and all(released_by_progress[:-1])
     assert "Combine the parent" not in texts[0]  # only the seed exists: a full rewrite instead
-    assert any("Combine the parent with program #" in t and "(to combine with the parent)" in t for t in texts[1:])
+    assert all("Combine the parent with program #" in t and "(to combine with the parent)" in t for t in texts[1:])
     programs = search.db.programs()
     assert len(programs) == 30
     by = {p.island: {q.proposer for q in programs if q.island == p.island} for p in programs}
     assert by[0] <= {"seed", "offline"} and by[1] == {"scripted"}
-    first_llm = min(p.id for p in programs if p.proposer == "scripted")
-    assert first_llm > 4, "the evaluator waited for the model"
+    assert min(p.id for p in programs if p.proposer == "scripted") >= 6  # seed + 4 offline programs first
     assert search.db.meta()["config"]["llm_islands"] == 1
     costs_add_up(search)
 
@@ -281,6 +295,7 @@ def test_meta_summary_reaches_later_prompts(tmp_path):
     assert f"## What worked so far\n{summary}" in texts[asked[0] + 1]
     assert "fitness" in texts[asked[0]] and "#1" in texts[asked[0]]  # the database's best programs
     assert {r["purpose"] for r in search.db.llm_calls()} == {"propose", "meta"}
+    assert all(r["program_id"] is None for r in search.db.llm_calls() if r["purpose"] == "meta")
     costs_add_up(search)
 
 

@@ -213,8 +213,8 @@ class LLMProposer:
 
 class CallLog:
     """Writes LLM calls into the run database from whichever thread makes them (the Ledger's
-    `on_call`), and remembers per thread the rows written since `start()`, so the rows of one
-    proposal can be linked to the program it produced."""
+    `on_call`), and remembers per thread the proposal rows written since `start()`, so they can be
+    linked to the program the proposal produced (a meta call made on the way is not linked)."""
 
     def __init__(self, db: ProgramDB):
         self.db = db
@@ -239,5 +239,5 @@ class CallLog:
     def _add(self, **row: Any) -> None:
         row_id = self.db.add_llm_call(**row)
         rows = getattr(self._local, "rows", None)
-        if rows is not None:
+        if rows is not None and row["purpose"] == "propose":
             rows.append(row_id)
