@@ -1,0 +1,74 @@
+"""Where a TACO device-backend collective's time goes: profile `--calls` calls of one collective of
+`--mib` MiB (BF16, E4M3, G=128) on the GPUs with torch.profiler and print rank 0's table, CPU and
+CUDA time side by side (a call that is slow on the host shows as CPU time, not kernel time).
+
+    python bench/profile_taco.py --gpus 2 --op all_gather --mib 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from commweave.runtime import WorkerPool, apply_safe_env
+
+OPS = ("all_gather", "reduce_scatter", "one_shot", "two_shot")
+
+
+def profile_job(ctx, op: str, mib: int, calls: int, top: int) -> str:
+    """Runs inside each worker: warm up, then profile `calls` calls; rank 0 returns the table."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from commweave.taco.device import DeviceBackend
+    from commweave.taco.quant import QuantConfig
+
+    backend = DeviceBackend(ctx)
+    cfg = QuantConfig(128)
+    n = (mib << 20) // 2
+    full = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
+    shard = full[: n // ctx.world_size].clone()
+    call = {"all_gather": lambda: backend.all_gather(shard, cfg),
+            "reduce_scatter": lambda: backend.reduce_scatter(full, cfg),
+            "one_shot": lambda: backend.all_reduce(full, cfg, "one_shot"),
+            "two_shot": lambda: backend.all_reduce(full, cfg, "two_shot")}[op]
+    for _ in range(3):
+        call()
+    ctx.synchronize()
+    ctx.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        ctx.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+    table += "\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    backend.close()
+    ctx.end_candidate()
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--op", choices=OPS, default="all_gather")
+    parser.add_argument("--mib", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/logs"))
+    args = parser.parse_args()
+    apply_safe_env()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with WorkerPool(args.gpus, device="cuda", job_timeout_s=600) as pool:
+        result = pool.run(f"{Path(__file__).stem}:profile_job", op=args.op, mib=args.mib, calls=args.calls, top=args.top)
+    if not result.ok:
+        sys.exit(f"profiling failed: {result.first_failure()}")
+    table = result.values[0]
+    path = args.out_dir / f"profile-taco-{args.op}-{args.mib}MiB-{args.gpus}gpu.txt"
+    path.write_text(f"{' '.join(sys.argv)}\n{args.calls} calls, rank 0\n{table}\n")
+    print(table)
+    print("table:", path)
+
+
+if __name__ == "__main__":
+    main()
