@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.timing import cuda_median_us
+from commweave.evaluate.timing import gated_seconds
 from commweave.taco import collectives as cc
 from commweave.taco.quant import QuantConfig
 
@@ -327,6 +327,16 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False)
     return out
 
 
+def _ranks_median_ms(ctx, fn, iters: int, warmup: int = 3) -> float:
+    """Median over iterations of the slowest rank's GPU time of `fn()` (the harness's statistic:
+    each iteration gated until queued and started together, `timing.gated_seconds`)."""
+    for _ in range(warmup):
+        fn()
+    times = torch.tensor([gated_seconds(ctx, fn)[0] for _ in range(iters)], device=ctx.device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return float(times.median()) * 1e3
+
+
 def device_bandwidth_gpu(ctx, mibs: tuple[int, ...] = (16, 256), double_buffer: bool = False) -> list[dict]:
     """Algorithm bandwidth (message bytes / median time; message = the full BF16 tensor: all-gather's
     output, reduce-scatter's input, all-reduce's tensor) of the device backend (E4M3, G=128, TACO's
@@ -349,10 +359,7 @@ def device_bandwidth_gpu(ctx, mibs: tuple[int, ...] = (16, 256), double_buffer: 
             "all_reduce_two_shot": (lambda: backend.all_reduce(full, cfg, "two_shot"), lambda: cc.all_reduce(full)),
         }
         for name, (dev_fn, nccl_fn) in ops.items():
-            ctx.barrier()
-            dev_ms = cuda_median_us(dev_fn, iters) / 1e3
-            ctx.barrier()
-            nccl_ms = cuda_median_us(nccl_fn, iters) / 1e3
+            dev_ms, nccl_ms = _ranks_median_ms(ctx, dev_fn, iters), _ranks_median_ms(ctx, nccl_fn, iters)
             nbytes = n * 2
             rows.append({"op": name, "mib": mib, "world": world, "device_ms": dev_ms, "nccl_ms": nccl_ms,
                          "device_GBps": nbytes / dev_ms / 1e6, "nccl_GBps": nbytes / nccl_ms / 1e6,

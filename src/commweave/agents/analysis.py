@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commweave.evaluate.program import python_ast
+
 PYTHON_SUFFIXES = (".py",)
 CUDA_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".cxx")
 
@@ -292,7 +294,7 @@ class _PythonVisitor(ast.NodeVisitor):
 
 def _analyze_python(text: str, name: str) -> ProgramAnalysis:
     try:
-        tree = ast.parse(text)
+        tree = python_ast(text)
     except SyntaxError as exc:
         raise AnalysisError(f"{name}: syntax error at line {exc.lineno}: {exc.msg}") from exc
     visitor = _PythonVisitor(tree)

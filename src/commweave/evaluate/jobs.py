@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready, poison_
 from commweave.evaluate.program import load_program, unavailable_reason
-from commweave.evaluate.timing import input_sets_for, interleaved_schedule
+from commweave.evaluate.timing import gated_seconds, input_sets_for, interleaved_schedule
 from commweave.evaluate.verdict import FailureClass, HarnessError, Verdict, WorkloadError
 from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
 from commweave.workloads.base import Shape, Workload
@@ -227,20 +227,13 @@ def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torc
                      untouched: torch.Tensor | None) -> tuple[float, bool]:
     """(seconds, output ready at the end of the timed region). Poisoning happens before the timed
     region; all ranks start it together (a device-side barrier on GPUs). On GPUs the stream is held
-    until the call is queued (`hold_stream`), so the timer measures the GPUs' time, not the host's
-    launch time: what a call costs inside a model whose host runs ahead of its GPUs."""
+    until the call is queued (`timing.gated_seconds`), so the timer measures the GPUs' time, not
+    the host's launch time: what a call costs inside a model whose host runs ahead of its GPUs."""
     poison_(out)
     if ctx.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        release = ctx.hold_stream()
-        ctx.device_barrier()
-        start.record()
-        program.run(ctx, state, dict(inputs), out)
-        end.record()
-        release()
-        unready = not_ready(out, untouched)  # queued right after the end event: the output as the timer saw it
-        torch.cuda.synchronize(ctx.device)
-        return start.elapsed_time(end) * 1e-3, not bool(unready)
+        seconds, unready = gated_seconds(ctx, lambda: program.run(ctx, state, dict(inputs), out),
+                                         lambda: not_ready(out, untouched))  # the output as the timer saw it
+        return seconds, not bool(unready)
     dist.barrier(group=_harness_group())
     began = time.perf_counter()
     program.run(ctx, state, dict(inputs), out)

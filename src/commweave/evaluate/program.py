@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 import types
 from dataclasses import dataclass
 
@@ -41,10 +42,28 @@ class ParsedProgram:
         return hashlib.sha256(self.text.encode()).hexdigest()[:16]
 
 
+#: CPython 3.11's ast.parse fails ("AST constructor recursion depth mismatch", gh-106905) while
+#: another thread parses or compiles: the search parses on its main thread while model calls check
+#: answers on theirs, so every parse and compile of a program text holds this lock.
+PARSE_LOCK = threading.Lock()
+
+
+def python_ast(text: str) -> ast.Module:
+    """`ast.parse(text)` under PARSE_LOCK."""
+    with PARSE_LOCK:
+        return ast.parse(text)
+
+
+def python_code(text: str, filename: str) -> types.CodeType:
+    """`compile(text, filename, "exec")` under PARSE_LOCK."""
+    with PARSE_LOCK:
+        return compile(text, filename, "exec")
+
+
 def parse_program(text: str) -> ParsedProgram:
     """Check a program's shape without running it."""
     try:
-        tree = ast.parse(text)
+        tree = python_ast(text)
     except SyntaxError as exc:
         raise ProgramError(f"syntax error at line {exc.lineno}: {exc.msg}") from exc
     starts, ends = text.count(BLOCK_START), text.count(BLOCK_END)
@@ -72,7 +91,7 @@ def load_program(text: str, name: str = "candidate") -> types.ModuleType:
     parsed = parse_program(text)
     module = types.ModuleType(f"commweave_program_{name}_{parsed.digest}")
     module.__file__ = f"<program {name}>"
-    exec(compile(text, module.__file__, "exec"), module.__dict__)
+    exec(python_code(text, module.__file__), module.__dict__)
     return module
 
 
@@ -90,7 +109,7 @@ def with_config(text: str, **knobs: object) -> str:
     Edits the text (values are written with repr), so the result is an ordinary program that can be
     stored, diffed and evaluated like any other. Unknown knobs are an error, not silently added.
     """
-    tree = ast.parse(text)
+    tree = python_ast(text)
     call = next((n.value for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
                  and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "CONFIG"), None)
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "dict"):

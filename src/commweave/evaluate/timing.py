@@ -12,6 +12,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from commweave.evaluate.verdict import Verdict
 
@@ -82,10 +83,29 @@ def summarize(name: str, verdict: Verdict, times_per_rank_s: list[list[float]]) 
     return ProgramTiming(name, verdict, statistics.median(per_iter), ordered[0], p90, per_iter)
 
 
+def gated_seconds(ctx: Any, fn: Callable[[], object], after: Callable[[], Any] | None = None) -> tuple[float, Any]:
+    """One multi-rank timed region on GPUs: the stream is held until `fn()` is queued
+    (`ctx.hold_stream`), the ranks are lined up by a device barrier, then `fn()` runs between two
+    events, so the time is the GPUs' own, not the hosts' launch time or their skew. `after()` is
+    queued right after the end event (what the timer saw); returns (seconds, its result)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    release = ctx.hold_stream()
+    ctx.device_barrier()
+    start.record()
+    fn()
+    end.record()
+    release()
+    seen = after() if after is not None else None
+    torch.cuda.synchronize(ctx.device)
+    return start.elapsed_time(end) * 1e-3, seen
+
+
 def cuda_median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     """Median GPU time of `fn()` on the current stream in µs over `iters` calls (CUDA events),
-    after `warmup` untimed ones: the one-GPU timer of probes and kernel tests, not the harness's
-    multi-rank benchmark."""
+    after `warmup` untimed ones: the one-GPU timer of probes and kernel tests (multi-rank calls:
+    `gated_seconds`)."""
     import torch
 
     for _ in range(warmup):

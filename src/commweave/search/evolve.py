@@ -128,8 +128,9 @@ class _Pending:
 class CompileAhead:
     """Compiles programs' CUDA sources on a thread pool, ahead of their evaluation.
 
-    The text is parsed in the submitting thread (CPython 3.11's `ast.parse` is not safe to run in
-    several threads at once: gh-106905), only nvcc runs in the pool. The compile cache publishes
+    The text is parsed in the submitting thread (under `evaluate.program.PARSE_LOCK`, since CPython
+    3.11's parser is not safe in several threads at once: gh-106905), only nvcc runs in the pool.
+    The compile cache publishes
     by (key, pid), so one source must never be compiled by two threads at once: sources are
     serialised by a lock per source. The result is the verdict `Evaluator.compile` would give.
     """

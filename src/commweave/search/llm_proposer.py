@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from commweave.evaluate.floor import MachineRates, floor_s
+from commweave.evaluate.program import python_code
 from commweave.llm import (BudgetExceeded, CallRecord, LLMClient, LLMError, Message, PatchError, apply_diff,
                            apply_rewrite, extract_json_block)
 from commweave.search import prompts
@@ -166,7 +167,7 @@ class LLMProposer:
         if new == body:
             raise Malformed("unchanged", "the program is the parent's, unchanged; change the code your strategy needs")
         try:
-            compile(new, "<candidate>", "exec")  # the compiler, not ast: ast.parse is unsafe in threads on 3.11
+            python_code(new, "<candidate>")
         except (SyntaxError, ValueError) as exc:
             where = f" at line {exc.lineno}" if isinstance(exc, SyntaxError) else ""
             raise Malformed("syntax", f"the program does not parse{where}: {getattr(exc, 'msg', exc)}") from None

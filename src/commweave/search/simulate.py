@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from commweave.evaluate.evaluator import EvalResult
+from commweave.evaluate.program import python_ast
 from commweave.evaluate.timing import ProgramTiming
 from commweave.evaluate.verdict import FailureClass, Verdict
 from commweave.space import DirectiveSet, Template, directives_of
@@ -60,7 +61,7 @@ class SimulatedEvaluator:
     def running(text: str, ds: DirectiveSet) -> DirectiveSet:
         """`ds` with the values the program's literal CONFIG sets for backend, comm_ctas and its knobs."""
         try:
-            tree = ast.parse(text)
+            tree = python_ast(text)
         except SyntaxError:
             return ds
         call = next((n.value for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
