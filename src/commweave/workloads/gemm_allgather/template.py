@@ -4,8 +4,9 @@ What the seed implements, and so what this template renders:
 - backend `lsa` (NVLink stores through `ncclGetLsaPointer`) with issuer `cta` (all threads of a CTA
   copy a chunk, one release signal per CTA), or backend `ce` (copy-engine copies into peers'
   windows and stream-written flags, comm CTAs 0, issuer `thread` as the space requires);
-  placement `split` (communication on a side stream, GEMMs on the current stream chasing flags),
-  language `cuda`, no compression;
+  placement `split` (communication on a side stream, GEMMs on the current stream chasing flags)
+  or `deferred` with sync `global` (CONFIG `overlap=False`: the whole push, one LSA barrier, then
+  the GEMMs: the conservative strategy), language `cuda`, no compression;
 - sync `chunk`: one counter per (source shard, chunk); sync `peer` is the same code with one chunk
   per shard (a counter per source peer), so it renders `chunks=1`;
 - comm CTAs -> CONFIG `comm_ctas`; chunk bytes -> CONFIG `chunks` = the shard's bytes (M/W rows of
@@ -54,7 +55,8 @@ class GemmAllGatherTemplate(Template):
                      tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
 
     def supported(self) -> dict[str, tuple[Any, ...]]:
-        return {"backend": ("lsa", "ce"), "placement": ("split",), "sync": ("chunk", "peer"), "issuer": ("cta", "thread"),
+        return {"backend": ("lsa", "ce"), "placement": ("split", "deferred"), "sync": ("chunk", "peer", "global"),
+                "issuer": ("cta", "thread"),
                 "compression": ("none",), "group_size": (0,), "language": ("cuda",),
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
@@ -70,7 +72,7 @@ class GemmAllGatherTemplate(Template):
 
     @staticmethod
     def chunks_for(ds: DirectiveSet, shape: Shape, world_size: int) -> int:
-        if ds.sync == "peer":
+        if ds.sync in ("peer", "global"):
             return 1
         shard_bytes = shape["M"] // world_size * shape["K"] * 2  # bf16
         return max(1, min(MAX_CHUNKS, shard_bytes // ds.chunk_bytes))
@@ -79,11 +81,15 @@ class GemmAllGatherTemplate(Template):
         why = super().unsupported(ds)
         if ds.backend == "lsa" and ds.issuer != "cta":
             why.append(f"{self.workload}'s lsa push is written per CTA (one signal per CTA): issuer cta only, not {ds.issuer!r}")
+        if (ds.placement == "deferred") != (ds.sync == "global"):
+            why.append(f"{self.workload}'s template pairs placement deferred with sync global (one barrier after "
+                       f"the whole push, then the GEMMs) and split with chunk or peer, not {ds.placement} with {ds.sync}")
         return why
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         return with_config(self._seed_text, backend=ds.backend, comm_ctas=ds.comm_ctas,
-                           chunks=self.chunks_for(ds, shape, world_size), **ds.knob_dict)
+                           chunks=self.chunks_for(ds, shape, world_size), overlap=ds.placement == "split",
+                           **ds.knob_dict)
 
 
 def make_template(workload: Any = None) -> GemmAllGatherTemplate:

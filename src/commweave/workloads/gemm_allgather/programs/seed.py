@@ -44,6 +44,8 @@ CONFIG = dict(
     wait="kernel",  # "kernel": a 1-thread acquire spin per chunk; "stream": cuStreamWaitValue64, no SM
     carveout=True,  # GEMMs target SMs minus comm_ctas (cuBLASLt), so a shard's GEMM fits one wave
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
+    overlap=True,  # False: push every shard, one LSA barrier across ranks, then the GEMMs (placement
+    #                deferred, sync global: the conservative strategy the fast path starts from)
 )
 MAX_GRAPHS = 32  # captured calls kept per setup (the benchmark rotates up to 16 input sets)
 
@@ -178,6 +180,7 @@ extern "C" __global__ void cw_ag_push(const char* a_local, ncclWindow_t a_win, s
 
 // Backend ce: every rank's GPU meets here before the copy engines overwrite peers' a_full, so no
 // peer still reads it or has yet to reset its counters (as the push kernel's opening barrier).
+// overlap=False: every rank meets here again after its push, so every shard has landed everywhere.
 extern "C" __global__ void cw_ag_barrier(ncclDevComm dc) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dc, ncclTeamLsa(dc), dc.lsaBarrier, blockIdx.x};
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
@@ -260,6 +263,9 @@ def _call(ctx, state, inputs, out):
             state["rows"], row_bytes, state["chunks"], int(CONFIG["order"] == "staggered"), state["dc"],
         ], stream=comm)
 
+    if not CONFIG["overlap"]:  # deferred: every rank's push done and visible (acq_rel), then the GEMMs
+        state["barrier"].launch(1, 32, [state["dc"]], stream=comm)
+        main.wait_stream(comm)
     if CONFIG["carveout"]:
         # Process-wide torch state: set only while this call's GEMMs are queued, then restored.
         saved = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
@@ -272,7 +278,7 @@ def _call(ctx, state, inputs, out):
             torch.backends.cuda.preferred_blas_library(saved[1])
     else:
         _gemms(ctx, state, inputs, out, main)
-    state["flags"].zero_()  # every piece was waited for above; see the module docstring
+    state["flags"].zero_()  # every piece was waited for above (or the closing barrier passed); see the module docstring
     main.wait_stream(comm)
 
 
@@ -294,7 +300,7 @@ def _copy_engine_push(ctx, state, a, comm):
 
 
 def _gemms(ctx, state, inputs, out, main):
-    """Local shard first, then each remote piece as its flag arrives."""
+    """Local shard first, then each remote piece as its flag arrives (deferred: all at once)."""
     a, b = inputs["a"], inputs["b"]
     world, rank, rows, chunks = ctx.world_size, ctx.rank, state["rows"], state["chunks"]
     own = slice(rank * rows, (rank + 1) * rows)
@@ -311,10 +317,11 @@ def _gemms(ctx, state, inputs, out, main):
         if r0 == r1:
             continue
         src = (rank - j) % world
-        if CONFIG["wait"] == "stream":
-            stream_wait_geq(state["flags"][src * chunks + c].data_ptr(), target, main)
-        else:
-            state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
+        if CONFIG["overlap"]:  # (deferred: the closing barrier covered every piece)
+            if CONFIG["wait"] == "stream":
+                stream_wait_geq(state["flags"][src * chunks + c].data_ptr(), target, main)
+            else:
+                state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
         part = slice(src * rows + r0, src * rows + r1)
         torch.matmul(state["a_full"][part], b, out=out[part])
 # EVOLVE-BLOCK-END
