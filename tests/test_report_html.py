@@ -44,6 +44,29 @@ def test_report_holds_plots_tables_code_and_lineage(run, tmp_path):
         best = db.best()
         assert f"Best program (#{best.id}" in text and f"ours (program {best.id})" in text
         assert len(db.lineage(best.id)) == text.count("<tr>", text.index("Lineage")) - 1
+    assert "LLM calls" not in text  # an offline run has none
+
+
+def test_report_counts_llm_calls_per_model(run, tmp_path):
+    """Calls by outcome, tokens and dollars per model, and the programs each model wrote."""
+    import shutil
+
+    path = tmp_path / "llm.sqlite"
+    shutil.copy(run, path)
+    with ProgramDB(path) as db:
+        first = db.programs()[0]
+        db.conn.execute("UPDATE programs SET proposer = 'gpt' WHERE id = ?", (first.id,))
+        db.add_llm_call(model="gpt", purpose="propose", outcome="ok", input_tokens=1200, output_tokens=300, cost=0.0125,
+                        program_id=first.id)
+        db.add_llm_call(model="gpt", purpose="propose", outcome="rate_limited", message="429")
+        db.add_llm_call(model="local", purpose="propose", outcome="malformed:no_match", input_tokens=50, output_tokens=7)
+        db.set_meta(llm_budget_usd=5.0, stop_reason="budget")
+    text = write_report(path, tmp_path / "out").read_text()
+    section = text[text.index("<h2>LLM calls</h2>"):text.index("<h2>Failures</h2>")]
+    gpt = section[section.index("<td>gpt</td>"):]
+    gpt = gpt[:gpt.index("</tr>")]
+    assert "ok 1, rate_limited 1" in gpt and "1,200" in gpt and "0.0125" in gpt and f"{first.fitness:.3f}" in gpt
+    assert "malformed:no_match 1" in section and "0.0125 $ in all of a 5.00 $ budget; stopped: budget" in section
 
 
 def test_island_curves_are_running_maxima(run):

@@ -128,6 +128,22 @@ table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:
 pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:80%}img{max-width:100%}"""
 
 
+def llm_rows(calls: list[dict[str, Any]], programs: list[ProgramRecord]) -> list[list[Any]]:
+    """One row per model: its calls counted by outcome, tokens, dollars, and the programs it wrote
+    (proposer = the model's name), how many were correct and the best fitness among them."""
+    rows = []
+    for model in sorted({c["model"] for c in calls}):
+        mine = [c for c in calls if c["model"] == model]
+        outcomes = Counter(c["outcome"] for c in mine)
+        written = [p for p in programs if p.proposer == model]
+        correct = [p for p in written if p.ok]
+        rows.append([html.escape(model), html.escape(", ".join(f"{o} {n}" for o, n in outcomes.most_common())),
+                     f"{sum(c['input_tokens'] for c in mine):,}", f"{sum(c['output_tokens'] for c in mine):,}",
+                     _fmt(sum(c["cost"] for c in mine), ",.4f"), len(written), len(correct),
+                     _fmt(max((p.fitness for p in correct), default=None), ".3f")])
+    return rows
+
+
 def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write `index.html` and the PNGs into `out_dir` (default: beside the database, '<name>-report')."""
     db_path = Path(db_path)
@@ -138,6 +154,7 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
     with ProgramDB(db_path) as db:
         meta, programs, migrations, best = db.meta(), db.programs(), db.migrations(), db.best()
         lineage = db.lineage(best.id) if best else []
+        calls = db.llm_calls()
     if not programs:
         raise ValueError(f"run {db_path} has no evaluated program yet")
     by_id = {p.id: p for p in programs}
@@ -188,6 +205,14 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
         parts.append(_table(["program", "median µs", "", "ours faster by"], rows))
         if floor and ours:
             parts.append(f"<p>floor / ours = {floor / ours:.2f}; fitness {best.fitness:.3f}</p>")
+
+    if calls:
+        parts.append("<h2>LLM calls</h2>")
+        parts.append(_table(["model", "calls (by outcome)", "input tokens", "output tokens", "$", "programs",
+                             "correct", "best fitness"], llm_rows(calls, programs)))
+        parts.append(f"<p>{_fmt(sum(c['cost'] for c in calls), ',.4f')} $ in all"
+                     + (f" of a {_fmt(meta['llm_budget_usd'], ',.2f')} $ budget" if meta.get("llm_budget_usd") else "")
+                     + (f"; stopped: {html.escape(str(meta['stop_reason']))}" if meta.get("stop_reason") else "") + "</p>")
 
     parts.append("<h2>Failures</h2>")
     examples = {}
