@@ -49,6 +49,21 @@ def profile_job(ctx, workload: str, program: str, shape_text: str, config: dict,
     return table
 
 
+def profile_and_write(gpus: int, job: str, kwargs: dict, path: Path, calls: int) -> None:
+    """Run `job` (module:function returning rank 0's table) on a pool of `gpus` workers, write the
+    command line and the table to `path` and print it."""
+    apply_safe_env()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with WorkerPool(gpus, device="cuda", job_timeout_s=600) as pool:
+        result = pool.run(job, **kwargs)
+    if not result.ok:
+        sys.exit(f"profiling failed: {result.first_failure()}")
+    table = result.values[0]
+    path.write_text(f"{' '.join(sys.argv)}\n{calls} calls, rank 0\n{table}\n")
+    print(table)
+    print("table:", path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload")
@@ -63,19 +78,11 @@ def main() -> None:
     from sweep import parse_grid  # bench/ is on sys.path when this runs as a script
 
     config = {knob: values[0] for knob, values in parse_grid(args.config).items()}
-    apply_safe_env()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    with WorkerPool(args.gpus, device="cuda", job_timeout_s=600) as pool:
-        result = pool.run(f"{Path(__file__).stem}:profile_job", workload=args.workload, program=args.program,
-                          shape_text=args.shape, config=config, calls=args.calls, top=args.top,
-                          out_dir=str(args.out_dir.resolve()))
-    if not result.ok:
-        sys.exit(f"profiling failed: {result.first_failure()}")
-    table = result.values[0]
-    path = args.out_dir / f"profile-{args.workload}-{args.program}-{args.shape}-{args.gpus}gpu.txt"
-    path.write_text(f"{' '.join(sys.argv)}\n{args.calls} calls, rank 0\n{table}\n")
-    print(table)
-    print("table:", path)
+    profile_and_write(args.gpus, f"{Path(__file__).stem}:profile_job",
+                      dict(workload=args.workload, program=args.program, shape_text=args.shape, config=config,
+                           calls=args.calls, top=args.top, out_dir=str(args.out_dir.resolve())),
+                      args.out_dir / f"profile-{args.workload}-{args.program}-{args.shape}-{args.gpus}gpu.txt", args.calls)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,9 @@ CUDA time side by side (a call that is slow on the host shows as CPU time, not k
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from commweave.runtime import WorkerPool, apply_safe_env
+from profile_program import profile_and_write  # bench/ is on sys.path when this runs as a script
 
 OPS = ("all_gather", "reduce_scatter", "one_shot", "two_shot")
 
@@ -57,17 +56,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/logs"))
     args = parser.parse_args()
-    apply_safe_env()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    with WorkerPool(args.gpus, device="cuda", job_timeout_s=600) as pool:
-        result = pool.run(f"{Path(__file__).stem}:profile_job", op=args.op, mib=args.mib, calls=args.calls, top=args.top)
-    if not result.ok:
-        sys.exit(f"profiling failed: {result.first_failure()}")
-    table = result.values[0]
-    path = args.out_dir / f"profile-taco-{args.op}-{args.mib}MiB-{args.gpus}gpu.txt"
-    path.write_text(f"{' '.join(sys.argv)}\n{args.calls} calls, rank 0\n{table}\n")
-    print(table)
-    print("table:", path)
+    profile_and_write(args.gpus, f"{Path(__file__).stem}:profile_job",
+                      dict(op=args.op, mib=args.mib, calls=args.calls, top=args.top),
+                      args.out_dir / f"profile-taco-{args.op}-{args.mib}MiB-{args.gpus}gpu.txt", args.calls)
 
 
 if __name__ == "__main__":
