@@ -62,6 +62,7 @@ class RankContext:
         self._free: list[_SymmetricAllocation] = []
         self._candidate_dev_comms: list[DevComm] = []
         self._harness_dev_comm: DevComm | None = None
+        self._helpers_module: Module | None = None
         self._gate_flag: torch.Tensor | None = None  # hold_stream(): pinned host flag, polled by the GPU
         self._gate_count = 0
         self._peer_ptr_cache: dict[tuple[int, int], list[int]] = {}
@@ -153,7 +154,10 @@ class RankContext:
         return self._modules[path]
 
     def _helpers(self) -> Module:
-        return self.compile((KERNELS_DIR / "lsa_helpers.cu").read_text(), "lsa_helpers")
+        """The runtime's own kernels, loaded once (every timed iteration launches two of them)."""
+        if self._helpers_module is None:
+            self._helpers_module = self.compile((KERNELS_DIR / "lsa_helpers.cu").read_text(), "lsa_helpers")
+        return self._helpers_module
 
     # -- symmetric memory -----------------------------------------------------------------------
     def symmetric(self, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:

@@ -15,8 +15,7 @@ What the seed implements, and so what this template renders:
   only in them render the same program). Both mappings depend on the shape, so a rendered program
   is specific to the shape it was rendered for (others still run correctly);
 - template knobs: `threads`, `unroll` (16-byte vectors in flight per thread), `comm_priority`,
-  `graph`, `prefill_mode` (the seed's; with pull, comm CTAs still set the source's CTAs, which
-  then only write its own cache and signal).
+  `graph`, `prefill_mode` (the seed's).
 Everything else is rejected with the reason.
 """
 

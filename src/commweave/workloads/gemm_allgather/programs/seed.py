@@ -266,7 +266,7 @@ def _call(ctx, state, inputs, out):
     if not CONFIG["overlap"]:  # deferred: every rank's push done and visible (acq_rel), then the GEMMs
         state["barrier"].launch(1, 32, [state["dc"]], stream=comm)
         main.wait_stream(comm)
-    if CONFIG["carveout"]:
+    if CONFIG["carveout"] and CONFIG["overlap"]:  # (deferred: the push is over, the GEMMs may take every SM)
         # Process-wide torch state: set only while this call's GEMMs are queued, then restored.
         saved = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
         torch._C._set_sm_carveout_experimental(state["ctas"])
