@@ -1,13 +1,13 @@
-"""Where the TACO Triton kernels' time goes, on one GPU: compress and decompress of 128 MiB of BF16
-with each option switched off in turn (Hadamard, dual scales) and at several tile sizes (elements
-per program), median kernel time and the HBM rate it implies (BF16 side + wire side bytes).
+"""Where the TACO kernels' time goes, on one GPU: compress and decompress of 128 MiB of BF16 with
+each option switched off in turn (Hadamard, dual scales), the Triton kernels (at tile sizes, in
+elements per program) against the CUDA ones (at register budgets, in blocks per SM), median kernel
+time and the HBM rate it implies (BF16 side + wire side bytes).
 
     python bench/probe_taco_kernels.py [--iters 20]
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -17,25 +17,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_cli import probe_main  # noqa: E402  (bench/ is not a package)
 
 from commweave.evaluate.timing import cuda_median_us  # noqa: E402
-from commweave.taco import kernels  # noqa: E402
+from commweave.taco import cuda, kernels  # noqa: E402
 from commweave.taco.quant import QuantConfig  # noqa: E402
 
 MIB = 128
-CASES = list(itertools.product([1024, 2048, 8192], [(True, True), (False, True), (True, False), (False, False)]))
+OPTIONS = [(True, True), (False, True), (True, False), (False, False)]
+CASES = ([("triton", 2048, o) for o in OPTIONS] + [("cuda", b, o) for b in (1, 2, 3) for o in OPTIONS[:1]]
+         + [("cuda", 2, o) for o in OPTIONS[1:]])
 
 
-def probe(tile: int, options: tuple[bool, bool], iters: int) -> dict:
+def probe(impl: str, setting: int, options: tuple[bool, bool], iters: int) -> dict:
+    """impl 'triton': setting = tile elements; 'cuda': setting = blocks per SM (register budget)."""
     hadamard, dual = options
-    kernels._TILE_ELEMENTS["cuda"] = tile
     x = torch.randn((MIB << 20) // 2, device="cuda", dtype=torch.bfloat16)
     cfg = QuantConfig(128, hadamard=hadamard, dual_scale=dual)
     buf = torch.empty(cfg.wire_bytes(x.numel()), dtype=torch.uint8, device="cuda")
     out = torch.empty_like(x)
-    c = kernels.compress(x, cfg)
-    compress_us = cuda_median_us(lambda: kernels.compress_into(x, cfg, buf), iters)
-    decompress_us = cuda_median_us(lambda: kernels.decompress_into(c, out), iters)
+    if impl == "triton":
+        kernels._TILE_ELEMENTS["cuda"] = setting
+        c = kernels.compress(x, cfg)
+        compress_us = cuda_median_us(lambda: kernels.compress_into(x, cfg, buf), iters)
+        decompress_us = cuda_median_us(lambda: kernels.decompress_into(c, out), iters)
+        case = f"triton tile={setting}"
+    else:
+        cuda.MIN_BLOCKS_PER_SM = setting
+        cuda.specialization.cache_clear()
+        c = cuda.compress(x, cfg)
+        compress_us = cuda_median_us(lambda: cuda.compress_into(x, cfg, buf), iters)
+        decompress_us = cuda_median_us(lambda: cuda.gather_into([c], out), iters)
+        case = f"cuda blocks/SM={setting}"
     moved = x.numel() * 2 + cfg.wire_bytes(x.numel())
-    return {"case": f"tile={tile} hadamard={hadamard} dual_scale={dual}", "compress_us": compress_us,
+    return {"case": f"{case} hadamard={hadamard} dual_scale={dual}", "compress_us": compress_us,
             "decompress_us": decompress_us, "compress_GBps": moved / compress_us / 1e3,
             "decompress_GBps": moved / decompress_us / 1e3}
 

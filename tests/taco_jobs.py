@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.timing import gated_seconds
 from commweave.taco import collectives as cc
 from commweave.taco.quant import QuantConfig
 
@@ -251,17 +250,19 @@ class TracingCodec:
     def __init__(self, codec: Any, transport: FakeTransport):
         self.codec, self.t = codec, transport
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
         self.t.node.log("write", self.t.rank, buf, self.t.epoch)
-        self.codec.compress_into(x, cfg, buf)
+        self.codec.compress_into(x, cfg, buf, segments)
 
-    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
-        self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
-        self.codec.decompress_into(c, out)
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        for c in cs:
+            self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+        self.codec.gather_into(cs, out)
 
-    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
-        self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
-        self.codec.accumulate(c, acc)
+    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        for c in cs:
+            self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+        self.codec.sum_into(cs, out)
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
@@ -292,11 +293,43 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shape, dtype and bits (-0.0 != +0.0)."""
+    """Equal shape, dtype and bits (-0.0 != +0.0, unlike torch.equal, for floating-point dtypes)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}.get(a.dtype)
+    if view is None:
+        return torch.equal(a, b)
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def gaussian(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Gaussian rows of very different magnitudes (1e-6..1e3), an outlier, a zero stretch."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    rows = x.view(-1, shape[-1])
+    rows *= torch.logspace(-6, 3, rows.shape[0])[:, None]
+    flat = x.view(-1)
+    flat[flat.numel() // 3] = 5e4
+    flat[-70:-3] = 0.0
+    return x
+
+
+def edge_inputs() -> torch.Tensor:
+    """Each piece 2048 long (whole groups at every G): zeros, a constant, FP32 subnormals, 1e-30
+    noise, huge outliers, values near FP32 max, zero groups next to normal ones."""
+    n = 2048
+    gen = torch.Generator().manual_seed(11)
+    sub = torch.full((n,), 3e-42) * torch.sign(torch.randn(n, generator=gen))
+    sub[::7] = 0.0
+    outliers = torch.randn(n, generator=gen)
+    outliers[5], outliers[700], outliers[1500] = 1e30, -1e30, 1e6
+    near_max = torch.randn(n, generator=gen)
+    near_max[3], near_max[900] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max / 2
+    mixed = torch.randn(n, generator=gen)
+    mixed[:512] = 0.0
+    mixed[600] = -0.0
+    return torch.cat([torch.zeros(n), torch.full((n,), -3.25), sub, torch.randn(n, generator=gen) * 1e-30, outliers,
+                      near_max, mixed])
 
 
 def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False) -> dict:
@@ -327,48 +360,6 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False)
     return out
 
 
-def _ranks_median_ms(ctx, fn, iters: int, warmup: int = 3) -> float:
-    """Median over iterations of the slowest rank's GPU time of `fn()` (the harness's statistic:
-    each iteration gated until queued and started together, `timing.gated_seconds`)."""
-    for _ in range(warmup):
-        fn()
-    times = torch.tensor([gated_seconds(ctx, fn)[0] for _ in range(iters)], device=ctx.device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times.median()) * 1e3
-
-
-def device_bandwidth_gpu(ctx, mibs: tuple[int, ...] = (16, 256), double_buffer: bool = False) -> list[dict]:
-    """Algorithm bandwidth (message bytes / median time; message = the full BF16 tensor: all-gather's
-    output, reduce-scatter's input, all-reduce's tensor) of the device backend (E4M3, G=128, TACO's
-    defaults) against plain NCCL BF16 on the same ranks."""
-    from commweave.taco.device import DeviceBackend
-
-    world = ctx.world_size
-    backend = DeviceBackend(ctx, double_buffer=double_buffer)
-    cfg = QuantConfig(128)
-    rows = []
-    for mib in mibs:
-        n = (mib << 20) // 2
-        full = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
-        shard = full[: n // world].clone()
-        iters = 20 if mib <= 16 else 8
-        ops = {
-            "all_gather": (lambda: backend.all_gather(shard, cfg), lambda: cc.all_gather(shard)),
-            "reduce_scatter": (lambda: backend.reduce_scatter(full, cfg), lambda: cc.reduce_scatter(full)),
-            "all_reduce_one_shot": (lambda: backend.all_reduce(full, cfg, "one_shot"), lambda: cc.all_reduce(full)),
-            "all_reduce_two_shot": (lambda: backend.all_reduce(full, cfg, "two_shot"), lambda: cc.all_reduce(full)),
-        }
-        for name, (dev_fn, nccl_fn) in ops.items():
-            dev_ms, nccl_ms = _ranks_median_ms(ctx, dev_fn, iters), _ranks_median_ms(ctx, nccl_fn, iters)
-            nbytes = n * 2
-            rows.append({"op": name, "mib": mib, "world": world, "device_ms": dev_ms, "nccl_ms": nccl_ms,
-                         "device_GBps": nbytes / dev_ms / 1e6, "nccl_GBps": nbytes / nccl_ms / 1e6,
-                         "speedup": nccl_ms / dev_ms})
-    backend.close()
-    ctx.end_candidate()
-    return rows
-
-
 class SerializedCodec:
     """A codec whose calls run one at a time across the simulated ranks' threads (Triton's
     interpreter patches triton.language while it runs a kernel: not thread-safe)."""
@@ -378,28 +369,28 @@ class SerializedCodec:
     def __init__(self, codec: Any):
         self.codec = codec
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
         with self._lock:
-            self.codec.compress_into(x, cfg, buf)
+            self.codec.compress_into(x, cfg, buf, segments)
 
-    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         with self._lock:
-            self.codec.decompress_into(c, out)
+            self.codec.gather_into(cs, out)
 
-    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         with self._lock:
-            self.codec.accumulate(c, acc)
+            self.codec.sum_into(cs, out)
 
 
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:
     """In a process whose Triton interprets (TRITON_INTERPRET=1): the algorithms with the Triton
-    kernels (KernelCodec, interpreted) against the same with the reference codec; mismatches."""
-    from commweave.taco.device import KernelCodec
+    kernels (TritonCodec, interpreted) against the same with the reference codec; mismatches."""
+    from commweave.taco.device import TritonCodec
 
     def body(coll, r):
         return [run_case(device_call(coll), c, world, r) for c in cases]
 
-    kernel, _ = simulate(world, body, codec=SerializedCodec(KernelCodec()))
+    kernel, _ = simulate(world, body, codec=SerializedCodec(TritonCodec()))
     ref, _ = simulate(world, body)
     return [f"rank {r} case {i} {c}" for r in range(world) for i, c in enumerate(cases)
             if not same_bits(kernel[r][i], ref[r][i])]

@@ -198,14 +198,17 @@ def test_device_backend_on_gpus_equals_the_reference_over_nccl(world):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_device_backend_bandwidth_against_nccl(world):
-    """Printed (run with -s): algorithm bandwidth at 16 and 256 MiB of BF16, device vs NCCL."""
+    """Printed (run with -s): algorithm bandwidth at 16 and 256 MiB of BF16, device backend (CUDA and
+    Triton codecs) vs NCCL; the CUDA codec must beat the Triton one (bench/taco_bandwidth.py: the
+    full sweep)."""
     with _gpu_pool(world) as pool:
-        rows = _ok(pool.run("taco_jobs:device_bandwidth_gpu", mibs=(16, 256)))[0]
+        rows = _ok(pool.run("commweave.taco.bandwidth:measure", mibs=(16, 256), codecs=("cuda", "triton")))[0]
     print()
     for r in rows:
-        print(f"taco-device world={r['world']} {r['op']:20} {r['mib']:4} MiB bf16 E4M3 G=128: "
-              f"device {r['device_ms']:.3f} ms {r['device_GBps']:.0f} GB/s | NCCL {r['nccl_ms']:.3f} ms "
-              f"{r['nccl_GBps']:.0f} GB/s | x{r['speedup']:.2f}")
+        print(f"taco-device world={r['world']} {r['op']:20} {r['mib']:4} MiB bf16 E4M3 G=128: NCCL {r['nccl_ms']:.3f} ms "
+              f"{r['nccl_GBps']:.0f} GB/s | cuda {r['cuda_ms']:.3f} ms x{r['cuda_speedup']:.2f} | "
+              f"triton {r['triton_ms']:.3f} ms x{r['triton_speedup']:.2f}")
+    assert all(r["cuda_ms"] < r["triton_ms"] for r in rows if r["mib"] >= 256), rows
 
 
 def test_triton_kernel_codec_in_the_algorithms_equals_the_reference_codec():

@@ -27,7 +27,8 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (the kernels and their interpreter need it)")
 import triton.language as tl  # noqa: E402
 
-from commweave.evaluate.timing import cuda_median_us
+from commweave.evaluate.timing import cuda_median_us  # noqa: E402
+from taco_jobs import edge_inputs, gaussian, same_bits  # noqa: E402
 from commweave.taco import kernels, quant  # noqa: E402
 from commweave.taco.quant import QuantConfig  # noqa: E402
 
@@ -35,7 +36,6 @@ FORMATS = ["e4m3", "e5m2"]
 GROUPS = [32, 128, 512]
 HADAMARD = [False, True, "adaptive"]
 MANTISSA_BITS = {"e4m3": 3, "e5m2": 2}
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 # -- the interpreter child ------------------------------------------------------------------------
@@ -62,50 +62,30 @@ def interp():
     pool.shutdown()
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shape, dtype and bits (so -0.0 != +0.0, unlike torch.equal)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    view = _INT_VIEW.get(a.dtype)
-    return torch.equal(a.view(view), b.view(view)) if view is not None else torch.equal(a, b)
-
-
-def _gaussian(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Gaussian rows of very different magnitudes (1e-6..1e3), an outlier, a zero stretch."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen)
-    rows = x.view(-1, shape[-1])
-    rows *= torch.logspace(-6, 3, rows.shape[0])[:, None]
-    flat = x.view(-1)
-    flat[flat.numel() // 3] = 5e4
-    flat[-70:-3] = 0.0
-    return x
-
-
 def _check_against_reference(x: torch.Tensor, cfg: QuantConfig, out_dtypes: tuple[torch.dtype, ...] = ()) -> float:
     """Kernel vs reference on x, both directions; returns the round trip's relative error."""
     ref = quant.compress(x, cfg)
     ker = kernels.compress(x, cfg)
     assert ker.payload.dtype == ref.payload.dtype and ker.payload.shape == ref.payload.shape
-    assert _same_bits(ker.scale, ref.scale), (cfg, (ker.scale != ref.scale).sum())
+    assert same_bits(ker.scale, ref.scale), (cfg, (ker.scale != ref.scale).sum())
     if cfg.dual_scale:
-        assert _same_bits(ker.pre_scale, ref.pre_scale), (cfg, (ker.pre_scale != ref.pre_scale).sum())
+        assert same_bits(ker.pre_scale, ref.pre_scale), (cfg, (ker.pre_scale != ref.pre_scale).sum())
     else:
         assert ker.pre_scale is None
     bad = (ker.payload.view(torch.uint8) != ref.payload.view(torch.uint8)).sum().item()
     assert bad == 0, f"{bad} payload bytes differ under {cfg}"
     assert torch.equal(quant.pack(ker), quant.pack(ref))
     expect = quant.decompress(ref)
-    assert _same_bits(kernels.decompress(ref), expect), cfg
-    assert _same_bits(kernels.decompress(ker), expect), cfg
+    assert same_bits(kernels.decompress(ref), expect), cfg
+    assert same_bits(kernels.decompress(ker), expect), cfg
     for dtype in out_dtypes:
-        assert _same_bits(kernels.decompress(ref, dtype), quant.decompress(ref, dtype)), (cfg, dtype)
+        assert same_bits(kernels.decompress(ref, dtype), quant.decompress(ref, dtype)), (cfg, dtype)
     xf, yf = x.double(), expect.double()
     return float((yf - xf).norm() / xf.norm()) if xf.norm() > 0 else 0.0
 
 
 def _job_bit_exact(fmt: str, group_size: int, hadamard: bool | str, dual: bool) -> None:
-    x = _gaussian((37, 129), seed=group_size)  # 4773 elements: not a multiple of any G (padding)
+    x = gaussian((37, 129), seed=group_size)  # 4773 elements: not a multiple of any G (padding)
     cfg = QuantConfig(group_size, fmt, hadamard=hadamard, dual_scale=dual)
     _check_against_reference(x, cfg)
     # error bound on plain Gaussian data (one rounding to m mantissa bits, as test_taco_quant.py)
@@ -136,26 +116,8 @@ def test_16_bit_transform_inputs_match_bit_for_bit(interp, cast, hadamard, dual)
     interp(_job_transform_input_dtype, cast, hadamard, dual)
 
 
-def _edge_inputs() -> torch.Tensor:
-    """Each piece 2048 long (whole groups at every G): zeros, a constant, FP32 subnormals, 1e-30
-    noise, huge outliers, values near FP32 max, zero groups next to normal ones."""
-    n = 2048
-    gen = torch.Generator().manual_seed(11)
-    sub = torch.full((n,), 3e-42) * torch.sign(torch.randn(n, generator=gen))
-    sub[::7] = 0.0
-    outliers = torch.randn(n, generator=gen)
-    outliers[5], outliers[700], outliers[1500] = 1e30, -1e30, 1e6
-    near_max = torch.randn(n, generator=gen)
-    near_max[3], near_max[900] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max / 2
-    mixed = torch.randn(n, generator=gen)
-    mixed[:512] = 0.0
-    mixed[600] = -0.0
-    return torch.cat([torch.zeros(n), torch.full((n,), -3.25), sub, torch.randn(n, generator=gen) * 1e-30, outliers,
-                      near_max, mixed])
-
-
 def _job_edges(group_size: int, fmt: str) -> None:
-    x = _edge_inputs()
+    x = edge_inputs()
     for hadamard, dual, cast in itertools.product(HADAMARD, [False, True], [torch.float32, torch.float16, torch.bfloat16]):
         cfg = QuantConfig(group_size, fmt, hadamard=hadamard, dual_scale=dual, transform_input_dtype=cast)
         # single scale + transform: finite only for |x| <= FP32_MAX / sqrt(G) (quant.py), the reference too
@@ -185,7 +147,7 @@ def _job_dtypes() -> None:
             assert kernels.decompress(kernels.compress(xi, cfg)).dtype == dtype
     big = torch.randn(4, 128, generator=gen) * 1e6  # FP16 output overflows to inf, as torch's cast does
     c = quant.compress(big, QuantConfig(128))
-    assert _same_bits(kernels.decompress(c, torch.float16), quant.decompress(c, torch.float16))
+    assert same_bits(kernels.decompress(c, torch.float16), quant.decompress(c, torch.float16))
 
 
 def test_half_precision_inputs_and_outputs_match_bit_for_bit(interp):
@@ -194,7 +156,7 @@ def test_half_precision_inputs_and_outputs_match_bit_for_bit(interp):
 
 def _job_layout() -> None:
     """The packed layout both ways, and compress_into a window at an offset inside a larger buffer."""
-    x = _gaussian((3, 1000), seed=2)
+    x = gaussian((3, 1000), seed=2)
     for cfg in (QuantConfig(128), QuantConfig(64, "e5m2", dual_scale=False), QuantConfig(32, hadamard="adaptive")):
         ref_buf = quant.pack(quant.compress(x, cfg))
         ker = kernels.compress(x, cfg)
@@ -203,15 +165,15 @@ def _job_layout() -> None:
         from_kernel = quant.unpack(quant.pack(ker), x.shape, x.dtype, cfg)
         from_ref = quant.unpack(ref_buf, x.shape, x.dtype, cfg)
         expect = quant.decompress(from_ref)
-        assert _same_bits(quant.decompress(from_kernel), expect)
-        assert _same_bits(kernels.decompress(from_ref), expect)
+        assert same_bits(quant.decompress(from_kernel), expect)
+        assert same_bits(kernels.decompress(from_ref), expect)
         window = torch.full((256 + ref_buf.numel() + 64,), 0xAB, dtype=torch.uint8)
         kernels.compress_into(x, cfg, window[256:256 + ref_buf.numel()])
         assert torch.equal(window[256:256 + ref_buf.numel()], ref_buf)
         assert (window[:256] == 0xAB).all() and (window[-64:] == 0xAB).all()
         # through quant's switch
         assert torch.equal(quant.pack(quant.compress(x, cfg, impl="triton")), ref_buf)
-        assert _same_bits(quant.decompress(from_ref, impl="triton"), expect)
+        assert same_bits(quant.decompress(from_ref, impl="triton"), expect)
 
 
 def test_pack_layout_is_shared_both_ways(interp):
@@ -228,7 +190,7 @@ def _job_accumulate() -> None:
         acc = kernels.decompress(parts[0], torch.float32)
         for p in parts[1:]:
             assert kernels.decompress_accumulate(p, acc) is acc
-        assert _same_bits(acc, _sum_fp32(parts, torch.float32))
+        assert same_bits(acc, _sum_fp32(parts, torch.float32))
 
 
 def test_decompress_accumulate_matches_the_reference_sum(interp):
@@ -384,8 +346,8 @@ def test_compiled_kernels_on_cuda_match_the_reference_bit_for_bit():
     """The compiled kernels (hardware casts; the FP32-rounding path on some) against the reference
     computed on CPU, bit for bit: payload, scales, FP32 and BF16 decompression, accumulation."""
     dev = torch.device("cuda")
-    x = _gaussian((37, 129), seed=1)
-    edges = _edge_inputs()
+    x = gaussian((37, 129), seed=1)
+    edges = edge_inputs()
     for cfg, round_in_fp32 in _gpu_configs():
         for data in (x, x.bfloat16(), edges[: 5 * 2048] if cfg.hadamard and not cfg.dual_scale else edges):
             ref = quant.compress(data, cfg)
@@ -393,7 +355,7 @@ def test_compiled_kernels_on_cuda_match_the_reference_bit_for_bit():
             assert torch.equal(quant.pack(ker).cpu(), quant.pack(ref)), (cfg, round_in_fp32, data.dtype)
             for dtype in (torch.float32, torch.bfloat16):
                 out = kernels.decompress(ker, dtype, round_in_fp32=round_in_fp32).cpu()
-                assert _same_bits(out, quant.decompress(ref, dtype)), (cfg, dtype, round_in_fp32)
+                assert same_bits(out, quant.decompress(ref, dtype)), (cfg, dtype, round_in_fp32)
         acc = kernels.decompress(ker, torch.float32)
         kernels.decompress_accumulate(ker, acc)
         expect = quant.decompress(ref, torch.float32)

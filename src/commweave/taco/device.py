@@ -1,11 +1,11 @@
 """Device-initiated compressed collectives: the "device" backend of `taco.collectives`.
 
-On CUDA, within one node: each rank compresses into its own symmetric buffer (`kernels.
-compress_into` writes `quant.pack`'s layout into a uint8 window), an LSA barrier
-(`ctx.device_barrier()`) makes the bytes visible, then each rank reads its peers' payload and
-scales straight from their windows (`ctx.peer_tensor`: the Triton decompress kernels load peer
-memory over NVLink) and decompresses, reducing in FP32 (`kernels.decompress_accumulate`). No host
-round trip, no staging copy: everything is queued on the caller's current CUDA stream.
+On CUDA, within one node: each rank compresses into its own symmetric buffer (one launch writes
+`quant.pack`'s layout into a uint8 window, every chunk of a reduce-scatter at once), an LSA barrier
+(`ctx.device_barrier()`) makes the bytes visible, then one kernel reads every rank's payload and
+scales straight from their windows (peer addresses: loads over NVLink) and decompresses them into
+their places (all-gather) or sums them in FP32 in rank order and casts once (reduce-scatter,
+all-reduce). No host round trip, no staging copy: everything is queued on the caller's stream.
 
 Semantics are the reference backend's (`collectives.ReferenceBackend`), step for step: the same
 chunks compressed separately, the same FP32 sums in rank order 0..W-1 (first term decompressed,
@@ -18,8 +18,10 @@ Structure (so the algorithm is testable without GPUs):
   * `Transport`: where each rank's packed bytes live and how a peer's are read, plus the barrier.
     `WindowTransport` is the real one (symmetric windows of a RankContext); the CPU tests use an
     in-process fake that simulates W ranks as threads.
-  * `Codec`: compress into a buffer, decompress into a tensor, decompress-accumulate.
-    `KernelCodec` (Triton) on CUDA; `ReferenceCodec` (quant.py) for the CPU tests.
+  * `Codec`: compress (chunks) into a buffer; decompress a set of messages into their places, or
+    their FP32 sum. `CudaCodec` (`taco/cuda.py`: one launch per step, the default on CUDA),
+    `TritonCodec` (`kernels.py`: one launch per message), `ReferenceCodec` (quant.py, any device:
+    the CPU tests).
   * `DeviceCollectives(transport, codec)`: the algorithms.
 
 Reuse of buffers, and why the barrier is lazy rather than a second barrier per call: a rank may
@@ -57,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from commweave.taco.collectives import AllReduceAlgo, register_backend
-from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack
+from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack, packed_view
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -83,25 +85,64 @@ class Transport(Protocol):
 
 
 class Codec(Protocol):
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None: ...
-    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None: ...
-    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None: ...
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+        """x split into `segments` equal chunks along dim 0, chunk q packed at q * wire_bytes(chunk)."""
+        ...
+
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        """out[p] = decompress(cs[p]) (out: (len(cs), *shape), contiguous)."""
+        ...
+
+    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        """out = (FP32 decompress(cs[0]) + decompress(cs[1]) + ...) cast to out's dtype."""
+        ...
 
 
-class ReferenceCodec:
+class PerMessageCodec:
+    """A codec from single-message compress/decompress/accumulate: the collectives' steps one
+    launch per message, summed through an FP32 accumulator in memory."""
+
+    def compress_one(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def decompress_one(self, c: Compressed, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def accumulate_one(self, c: Compressed, acc: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+        chunks = x.chunk(segments, dim=0)
+        seg = buf.numel() // segments
+        for q, chunk in enumerate(chunks):
+            self.compress_one(chunk, cfg, buf[q * seg:(q + 1) * seg])
+
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        for p, c in enumerate(cs):
+            self.decompress_one(c, out[p])
+
+    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        self.decompress_one(cs[0], acc)  # not accumulated onto zeros: keeps -0.0 as the reference
+        for c in cs[1:]:
+            self.accumulate_one(c, acc)
+        out.copy_(acc)
+
+
+class ReferenceCodec(PerMessageCodec):
     """quant.py's compress/decompress (torch; any device): the reference bits, for CPU tests."""
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+    def compress_one(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
         buf.copy_(pack(compress(x, cfg)))
 
-    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+    def decompress_one(self, c: Compressed, out: torch.Tensor) -> None:
         out.copy_(decompress(c, out.dtype).view(out.shape))
 
-    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+    def accumulate_one(self, c: Compressed, acc: torch.Tensor) -> None:
         acc.add_(decompress(c, torch.float32).view(acc.shape))  # = collectives._sum_fp32's `total + d`
 
 
-class KernelCodec:
+class TritonCodec(PerMessageCodec):
     """The fused Triton kernels (bit for bit the reference); imported on first use (needs triton)."""
 
     def __init__(self) -> None:
@@ -109,29 +150,36 @@ class KernelCodec:
 
         self._k = kernels
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+    def compress_one(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
         self._k.compress_into(x, cfg, buf)
 
-    def decompress_into(self, c: Compressed, out: torch.Tensor) -> None:
+    def decompress_one(self, c: Compressed, out: torch.Tensor) -> None:
         self._k.decompress_into(c, out)
 
-    def accumulate(self, c: Compressed, acc: torch.Tensor) -> None:
+    def accumulate_one(self, c: Compressed, acc: torch.Tensor) -> None:
         self._k.decompress_accumulate(c, acc)
 
 
-def packed_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
-                cfg: QuantConfig) -> Compressed:
-    """A Compressed whose tensors are views of a packed buffer (no copy: `quant.unpack` clones the
-    scales, which for a peer's window would be an extra NVLink round trip)."""
-    numel = math.prod(shape)
-    groups = cfg.num_groups(numel)
-    if buf.dtype != torch.uint8 or buf.numel() != cfg.wire_bytes(numel):
-        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
-    n_payload = groups * cfg.group_size  # a multiple of 32: the scales stay 4-byte aligned
-    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
-    scale = buf[n_payload:n_payload + 4 * groups].view(torch.float32)
-    pre = buf[n_payload + 4 * groups:].view(torch.float32) if cfg.dual_scale else None
-    return Compressed(payload, scale, pre, torch.Size(shape), dtype, cfg)
+class CudaCodec:
+    """The CUDA kernels (`taco/cuda.py`, bit for bit the reference): one launch compresses every
+    chunk, one reads every rank's message (gathering, or summing in FP32 and casting once)."""
+
+    def __init__(self) -> None:
+        from commweave.taco import cuda
+
+        self._k = cuda
+
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+        self._k.compress_into(x, cfg, buf, segments)
+
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        self._k.gather_into(cs, out)
+
+    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+        self._k.sum_into(cs, out)
+
+
+CODECS = {"cuda": CudaCodec, "triton": TritonCodec, "reference": ReferenceCodec}
 
 
 class DeviceCollectives:
@@ -162,21 +210,10 @@ class DeviceCollectives:
             self._barrier()
         return key, buf
 
-    def _read(self, buf: torch.Tensor, peer: int, lo: int, hi: int, shape: tuple[int, ...],
-              dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
-        return packed_view(self.t.peer(buf, peer)[lo:hi], shape, dtype, cfg)
-
-    def _sum_from_peers(self, buf: torch.Tensor, lo: int, hi: int, shape: tuple[int, ...],
-                        dtype: torch.dtype, cfg: QuantConfig) -> torch.Tensor:
-        """FP32 sum over ranks 0..W-1 of bytes [lo, hi) of each rank's buffer, in rank order."""
-        acc = torch.empty(shape, dtype=torch.float32, device=self.t.device)
-        for p in range(self.t.world_size):
-            c = self._read(buf, p, lo, hi, shape, dtype, cfg)
-            if p == 0:
-                self.codec.decompress_into(c, acc)  # not accumulate onto zeros: keeps -0.0 as the reference
-            else:
-                self.codec.accumulate(c, acc)
-        return acc
+    def _messages(self, buf: torch.Tensor, lo: int, hi: int, shape: tuple[int, ...], dtype: torch.dtype,
+                  cfg: QuantConfig) -> list[Compressed]:
+        """Bytes [lo, hi) of every rank's buffer (rank order), as packed messages read in place."""
+        return [packed_view(self.t.peer(buf, p)[lo:hi], shape, dtype, cfg) for p in range(self.t.world_size)]
 
     # -- the collectives ------------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
@@ -188,8 +225,7 @@ class DeviceCollectives:
         self.codec.compress_into(x, cfg, buf)
         self._barrier()
         out = torch.empty((world, *shape), dtype=x.dtype, device=x.device)
-        for p in range(world):
-            self.codec.decompress_into(self._read(buf, p, 0, buf.numel(), shape, x.dtype, cfg), out[p])
+        self.codec.gather_into(self._messages(buf, 0, buf.numel(), shape, x.dtype, cfg), out)
         self._read_at[key] = self.barriers
         return out.view(world * shape[0], *shape[1:])
 
@@ -199,16 +235,15 @@ class DeviceCollectives:
         _check_input(x, self.t.device)
         world, rank = self.t.world_size, self.t.rank
         _check_dim0(x, world)
-        chunks = x.chunk(world, dim=0)
-        chunk_shape = tuple(chunks[0].shape)
-        seg = cfg.wire_bytes(chunks[0].numel())
+        chunk_shape = (x.shape[0] // world, *x.shape[1:])
+        seg = cfg.wire_bytes(math.prod(chunk_shape))
         key, buf = self._buffer("reduce_scatter", tuple(x.shape), x.dtype, cfg, world * seg)
-        for q, chunk in enumerate(chunks):
-            self.codec.compress_into(chunk, cfg, buf[q * seg:(q + 1) * seg])
+        self.codec.compress_into(x, cfg, buf, segments=world)
         self._barrier()
-        acc = self._sum_from_peers(buf, rank * seg, (rank + 1) * seg, chunk_shape, x.dtype, cfg)
+        out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
+        self.codec.sum_into(self._messages(buf, rank * seg, (rank + 1) * seg, chunk_shape, x.dtype, cfg), out)
         self._read_at[key] = self.barriers
-        return acc.to(x.dtype)
+        return out
 
     def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo) -> torch.Tensor:
         """one_shot: every rank reads every rank's whole compressed x and sums in FP32.
@@ -224,9 +259,10 @@ class DeviceCollectives:
             key, buf = self._buffer("one_shot", shape, x.dtype, cfg, nbytes)
             self.codec.compress_into(x, cfg, buf)
             self._barrier()
-            acc = self._sum_from_peers(buf, 0, nbytes, shape, x.dtype, cfg)
+            out = torch.empty_like(x)
+            self.codec.sum_into(self._messages(buf, 0, nbytes, shape, x.dtype, cfg), out)
             self._read_at[key] = self.barriers
-            return acc.to(x.dtype)
+            return out
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
         padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel()))
@@ -293,11 +329,15 @@ class DeviceBackend:
     the default process group, made collectively at first use): the simplest consistent choice,
     since the windows must belong to one communicator over the same ranks as the group. Only the
     default group (group=None or WORLD) is supported. One `DeviceCollectives` (its buffers) per
-    context; a new context (after `commweave.ops.close()`) starts a new one."""
+    context; a new context (after `commweave.ops.close()`) starts a new one. `codec`: "cuda" (the
+    default: fused multi-rank kernels) or "triton" (one launch per message; for comparison)."""
 
-    def __init__(self, ctx: Any = None, double_buffer: bool = False):
+    def __init__(self, ctx: Any = None, double_buffer: bool = False, codec: str = "cuda"):
+        if codec not in ("cuda", "triton"):
+            raise ValueError(f"codec must be 'cuda' or 'triton' on GPUs, got {codec!r}")
         self._ctx = ctx
         self.double_buffer = double_buffer
+        self.codec = codec
         self._state: tuple[Any, DeviceCollectives] | None = None
 
     def collectives(self, x: torch.Tensor, group: Any = None) -> DeviceCollectives:
@@ -318,7 +358,7 @@ class DeviceBackend:
         if x.device != ctx.device:
             raise ValueError(f"the tensor is on {x.device}, the context on {ctx.device}")
         if self._state is None or self._state[0] is not ctx:
-            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), KernelCodec(), self.double_buffer))
+            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), CODECS[self.codec](), self.double_buffer))
         return self._state[1]
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:

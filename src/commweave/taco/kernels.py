@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from commweave.taco.quant import Compressed, QuantConfig
+from commweave.taco.quant import Compressed, QuantConfig, packed_view
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
@@ -266,7 +266,8 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, round_in
         raise ValueError(f"x is on {x.device} but buf on {buf.device}")
     if n_groups == 0:
         return buf
-    payload, scale, pre = _split(buf, cfg, n_groups)
+    c = packed_view(buf, (numel,), x.dtype, cfg)
+    payload, scale, pre = c.payload, c.scale, c.pre_scale
     rows = _rows(cfg, n_groups, x.device)
     cast = cfg.transform_input_dtype
     with _on(x.device):
@@ -280,15 +281,6 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, round_in
     return buf
 
 
-def _split(buf: torch.Tensor, cfg: QuantConfig, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Views of a packed buffer: payload (groups, G) FP8, post-scales, pre-scales or None."""
-    n_payload = n_groups * cfg.group_size  # a multiple of 32: the scales stay 4-byte aligned
-    payload = buf[:n_payload].view(cfg.fp8_dtype).view(n_groups, cfg.group_size)
-    scale = buf[n_payload:n_payload + 4 * n_groups].view(torch.float32)
-    pre = buf[n_payload + 4 * n_groups:].view(torch.float32) if cfg.dual_scale else None
-    return payload, scale, pre
-
-
 def compress(x: torch.Tensor, cfg: QuantConfig | None = None, round_in_fp32: bool | None = None) -> Compressed:
     """`quant.compress` in one fused kernel; the result's tensors are views of one packed buffer
     (so `quant.pack` of it equals that buffer)."""
@@ -297,8 +289,7 @@ def compress(x: torch.Tensor, cfg: QuantConfig | None = None, round_in_fp32: boo
         raise TypeError(f"compress needs a floating-point tensor, got {x.dtype}")
     buf = torch.empty(cfg.wire_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     compress_into(x, cfg, buf, round_in_fp32)
-    payload, scale, pre = _split(buf, cfg, cfg.num_groups(x.numel()))
-    return Compressed(payload, scale, pre, x.shape, x.dtype, cfg)
+    return packed_view(buf, x.shape, x.dtype, cfg)
 
 
 def _launch_decompress(c: Compressed, out: torch.Tensor, accumulate: bool, round_in_fp32: bool | None) -> None:

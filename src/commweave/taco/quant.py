@@ -302,6 +302,21 @@ def pack(c: Compressed) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def packed_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
+    """A Compressed whose tensors are views of a packed buffer, no copy (for a peer's window, a
+    copy of the scales would be an extra NVLink round trip)."""
+    shape = torch.Size(shape)
+    numel = math.prod(shape)
+    groups = cfg.num_groups(numel)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != cfg.wire_bytes(numel):
+        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
+    n_payload = groups * cfg.group_size  # a multiple of 32: the scales stay 4-byte aligned
+    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
+    scale = buf[n_payload:n_payload + 4 * groups].view(torch.float32)
+    pre = buf[n_payload + 4 * groups:].view(torch.float32) if cfg.dual_scale else None
+    return Compressed(payload, scale, pre, shape, dtype, cfg)
+
+
 def unpack(buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
     """Inverse of pack() for a tensor of `shape`/`dtype` compressed with `cfg`."""
     shape = torch.Size(shape)

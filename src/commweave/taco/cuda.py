@@ -1,0 +1,190 @@
+"""TACO's quantizer as CUDA kernels (`taco_kernels.cu`): compress, and decompress that gathers or
+sums several packed messages (peers' windows included) in one launch.
+
+Why beside the Triton kernels (`kernels.py`): their butterflies reshape/permute a [rows, G] tile,
+which Triton lowers to shared-memory round trips; here a warp holds a group in registers (G/32
+elements per lane) and the transform is in-register butterflies then warp shuffles. The collectives
+also want what one Triton launch per peer cannot give: one kernel reading every rank's message,
+summing in FP32 in rank order and casting once (no FP32 accumulator in memory).
+
+Same bits as `quant.py` for every QuantConfig (see the .cu's header for how); the GPU tests check
+it against the reference. One cubin per (config, input or output dtype, sources summed), compiled
+by `runtime.compile` on first use (disk-cached) and loaded once per device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from commweave.taco.quant import Compressed, QuantConfig, packed_view
+
+SOURCE = Path(__file__).with_name("taco_kernels.cu")
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_FMT_CODE = {"e4m3": 0, "e5m2": 1}
+_HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
+MAX_SOURCES = 8  # `Sources` in the .cu
+THREADS = 256
+MIN_BLOCKS_PER_SM = 2  # register budget: this many blocks of THREADS resident per SM (no spills at 2)
+_GRID_BLOCKS_PER_SM = 8  # grid size cap; warps loop over the remaining work
+
+
+@functools.lru_cache(maxsize=None)
+def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> str:
+    """The source for one specialization: the macros the .cu expects, then the .cu (cached: a launch
+    looks its module up by this text; clear the cache after changing MIN_BLOCKS_PER_SM)."""
+    if io_dtype not in DTYPE_CODE:
+        raise TypeError(f"the CUDA kernels take float32, float16 or bfloat16 tensors, got {io_dtype}")
+    if not 1 <= n_sum <= MAX_SOURCES:
+        raise ValueError(f"the summing decompress adds 1..{MAX_SOURCES} messages, got {n_sum}")
+    code = DTYPE_CODE[io_dtype]
+    macros = {"TACO_G": cfg.group_size, "TACO_FMT": _FMT_CODE[cfg.fmt], "TACO_HADAMARD": _HADAMARD_CODE[cfg.hadamard],
+              "TACO_DUAL": int(cfg.dual_scale), "TACO_CAST": DTYPE_CODE[cfg.transform_input_dtype],
+              "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum, "TACO_MIN_BLOCKS": MIN_BLOCKS_PER_SM}
+    return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_index: int, source: str):
+    from commweave.runtime.compile import compile_cubin
+    from commweave.runtime.launch import Module
+
+    with torch.cuda.device(device_index):
+        return Module(compile_cubin(source).path, "taco_kernels")
+
+
+def _launch(device: torch.device, source: str, name: str, warp_items: int, args: list) -> None:
+    """Launch kernel `name` of `source`'s cubin on `device`'s current stream, one warp per item."""
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA kernels need CUDA tensors, got {device} (use impl='reference' or the Triton kernels)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        _module(index, source).kernel(name)(_grid(index, warp_items), THREADS, args)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(device_index: int, warp_items: int) -> int:
+    blocks = -(-warp_items // (THREADS // 32))
+    return max(1, min(blocks, _sm_count(device_index) * _GRID_BLOCKS_PER_SM))
+
+
+def _items(cfg: QuantConfig, numel: int) -> int:
+    """Work items of one message: runs of U groups (the .cu's U)."""
+    runs_of = min(8, 1024 // cfg.group_size)
+    return -(-cfg.num_groups(numel) // runs_of)
+
+
+def _aligned(ptr: int, stride_bytes: int) -> bool:
+    return ptr % 16 == 0 and stride_bytes % 16 == 0
+
+
+def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> torch.Tensor:
+    """Compress `x` into `buf` in `quant.pack`'s layout; with `segments` > 1, x (split into that
+    many equal chunks along dim 0) into as many packed messages back to back, chunk q at
+    q * cfg.wire_bytes(chunk) (what a reduce-scatter sends rank q). One launch; returns buf."""
+    if x.dtype not in DTYPE_CODE:
+        raise TypeError(f"the CUDA kernels compress float32, float16 or bfloat16 tensors, got {x.dtype}")
+    if x.dim() == 0 or segments < 1 or x.shape[0] % segments:
+        raise ValueError(f"cannot split shape {tuple(x.shape)} into {segments} equal chunks along dim 0")
+    x = x.contiguous()
+    chunk = x.numel() // segments
+    seg_bytes = cfg.wire_bytes(chunk)  # raises for pad=False and a ragged chunk
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() != segments * seg_bytes:
+        raise ValueError(f"buf must be a contiguous 1-D uint8 tensor of {segments * seg_bytes} bytes for {segments} "
+                         f"message(s) of {chunk} elements under {cfg}, got {buf.dtype} {tuple(buf.shape)}")
+    if buf.device != x.device:
+        raise ValueError(f"x is on {x.device} but buf on {buf.device}")
+    if buf.data_ptr() % 4:
+        raise ValueError("buf must start at a 4-byte aligned address (the scales are FP32)")
+    if chunk == 0:
+        return buf
+    vec = _aligned(x.data_ptr(), chunk * x.element_size())
+    _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(cfg, chunk),
+            [x, chunk, chunk, segments, buf, seg_bytes, int(vec)])
+    return buf
+
+
+def compress(x: torch.Tensor, cfg: QuantConfig | None = None) -> Compressed:
+    """`quant.compress` in one kernel; the result's tensors are views of one packed buffer."""
+    cfg = cfg or QuantConfig()
+    buf = torch.empty(cfg.wire_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    compress_into(x, cfg, buf)
+    return packed_view(buf, x.shape, x.dtype, cfg)
+
+
+def _packed_address(c: Compressed) -> int:
+    """The packed message's first byte; refuses a Compressed whose tensors are not `pack`'s layout
+    in one buffer (the kernels find the scales from the payload's address)."""
+    cfg = c.config
+    groups = c.num_groups
+    if c.payload.dtype != cfg.fp8_dtype or tuple(c.payload.shape) != (groups, cfg.group_size):
+        raise ValueError(f"payload {c.payload.dtype} {tuple(c.payload.shape)} does not match {cfg}")
+    if groups != cfg.num_groups(c.numel):
+        raise ValueError(f"{groups} groups do not hold {c.numel} elements at G={cfg.group_size}")
+    if (c.pre_scale is not None) != cfg.dual_scale:
+        raise ValueError(f"pre_scale is {'present' if c.pre_scale is not None else 'missing'} but dual_scale={cfg.dual_scale}")
+    base = c.payload.data_ptr()
+    n_payload = groups * cfg.group_size
+    packed = (c.payload.is_contiguous() and c.scale.is_contiguous() and c.scale.data_ptr() == base + n_payload
+              and (c.pre_scale is None or (c.pre_scale.is_contiguous() and c.pre_scale.data_ptr() == base + n_payload + 4 * groups)))
+    if not packed or base % 4:
+        raise ValueError("the CUDA kernels read packed messages (payload, scales, pre-scales back to back, 4-byte "
+                         "aligned, as `quant.pack` / `compress_into` write them): use `quant.packed_view` of the buffer")
+    return base
+
+
+def _sources(cs: Sequence[Compressed], out: torch.Tensor, what: str, out_numel: int) -> tuple[QuantConfig, int, ctypes.Array]:
+    """Checks messages and output (out_numel: what out must hold, given numel per message)."""
+    if not 1 <= len(cs) <= MAX_SOURCES:
+        raise ValueError(f"{what} takes 1..{MAX_SOURCES} messages, got {len(cs)}")
+    cfg, numel = cs[0].config, cs[0].numel
+    for c in cs:
+        if c.config != cfg or c.numel != numel:
+            raise ValueError(f"{what}: every message must have the same config and size, got {c.config}/{c.numel} "
+                             f"and {cfg}/{numel}")
+    ptrs = (ctypes.c_uint64 * MAX_SOURCES)(*[_packed_address(c) for c in cs])
+    if out.numel() != out_numel:
+        raise ValueError(f"{what}: out has {out.numel()} elements, {len(cs)} messages of {numel} need {out_numel}")
+    if out.dtype not in DTYPE_CODE:
+        raise TypeError(f"the CUDA kernels decompress to float32, float16 or bfloat16, got {out.dtype}")
+    if not out.is_contiguous() or out.device.type != "cuda" or any(c.payload.device != out.device for c in cs):
+        raise ValueError(f"{what}: out must be a contiguous CUDA tensor on the messages' device, got "
+                         f"{'' if out.is_contiguous() else 'a non-contiguous tensor '}on {out.device}, messages on "
+                         f"{cs[0].payload.device}")
+    return cfg, numel, ptrs
+
+
+def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
+    """out[p] = decompress(cs[p]) for every message (out: len(cs) * numel elements, any shape), in
+    one launch whose warps interleave the messages (every peer's link busy at once)."""
+    cfg, numel, ptrs = _sources(cs, out, "gather_into", len(cs) * cs[0].numel if cs else 0)
+    if numel:
+        vec = _aligned(out.data_ptr(), numel * out.element_size())
+        _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(cfg, numel),
+                [ptrs, len(cs), numel, out, numel, int(vec)])
+    return out
+
+
+def sum_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
+    """out = (sum over the messages of their FP32 decompressions, in order) cast to out's dtype: the
+    reference's `decompress(cs[0]) + decompress(cs[1]) + ...` then `.to(dtype)`, in one launch."""
+    cfg, numel, ptrs = _sources(cs, out, "sum_into", cs[0].numel if cs else 0)
+    if numel:
+        _launch(out.device, specialization(cfg, out.dtype, len(cs)), "taco_sum", _items(cfg, numel),
+                [ptrs, numel, out, int(_aligned(out.data_ptr(), 0))])
+    return out
+
+
+def decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`quant.decompress` in one kernel."""
+    out = torch.empty(c.shape, dtype=dtype or c.dtype, device=c.payload.device)
+    gather_into([c], out)
+    return out

@@ -1,0 +1,203 @@
+"""TACO's CUDA kernels (commweave.taco.cuda) against the torch reference (quant.py).
+
+CPU: every specialization class compiles for sm_90 with nvcc (no spills, no stack frame at the
+defaults), and bad arguments are refused with the reason before any launch. GPU
+(`pytest -m gpu tests/test_taco_cuda.py -s`): bit for bit against the reference (payload bytes,
+scales, decompressed values with signed zeros) for every format, G, switch and dtype, gathering and
+summing several messages; timed against the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from commweave.runtime.compile import compile_cubin
+from commweave.runtime.toolchain import nvcc_path
+from commweave.taco import cuda, quant
+from commweave.taco.quant import QuantConfig
+from taco_jobs import edge_inputs, gaussian, same_bits
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _have_nvcc() -> bool:
+    try:
+        nvcc_path()
+        return True
+    except Exception:  # noqa: BLE001 - any failure to find it means: skip
+        return False
+
+
+def _compile_cases() -> list[tuple[QuantConfig, torch.dtype, int]]:
+    """Every G, format, transform mode, scale mode, transform-input cast, I/O dtype and summed
+    source count at least once."""
+    cases = [(QuantConfig(g), torch.bfloat16, 2) for g in (32, 64, 128, 256, 512)]
+    cases += [(QuantConfig(128, fmt, hadamard=h, dual_scale=d), torch.float32, 4)
+              for fmt, h, d in itertools.product(["e4m3", "e5m2"], [False, True, "adaptive"], [False, True])]
+    cases += [(QuantConfig(128, transform_input_dtype=t), dt, 3) for t, dt in [(torch.float16, torch.float16),
+                                                                              (torch.bfloat16, torch.bfloat16)]]
+    cases += [(QuantConfig(512, hadamard="adaptive"), torch.float32, 8), (QuantConfig(32, hadamard="adaptive"), torch.float16, 1)]
+    return cases
+
+
+@pytest.mark.skipif(not _have_nvcc(), reason="nvcc is not installed")
+def test_every_specialization_class_compiles_for_sm90():
+    cases = _compile_cases()
+    with ThreadPoolExecutor(8) as pool:
+        logs = list(pool.map(lambda c: compile_cubin(cuda.specialization(*c)).log, cases))
+    for (cfg, dtype, n), log in zip(cases, logs):
+        for kernel in ("taco_compress", "taco_gather", "taco_sum"):
+            assert f"'{kernel}'" in log, (cfg, dtype, n, kernel)
+        frames = [tuple(int(w) for w in re.findall(r"(\d+) bytes", line)) for line in log.splitlines() if "stack frame" in line]
+        assert len(frames) == 3, log
+        # G=512 holds 16 elements a lane: a stack frame, and with both transforms (adaptive) a few spills
+        if cfg.group_size < 512:
+            assert all(f == (0, 0, 0) for f in frames), (cfg, dtype, n, frames)
+        elif cfg.hadamard != "adaptive":
+            assert all(spill_st == spill_ld == 0 for _, spill_st, spill_ld in frames), (cfg, dtype, n, frames)
+
+
+def test_specialization_refuses_what_the_kernels_do_not_take():
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        cuda.specialization(QuantConfig(), torch.float64)
+    with pytest.raises(ValueError, match="1..8 messages"):
+        cuda.specialization(QuantConfig(), torch.float32, 9)
+    text = cuda.specialization(QuantConfig(64, "e5m2", hadamard="adaptive", dual_scale=False,
+                                           transform_input_dtype=torch.bfloat16), torch.float16, 3)
+    for macro in ("TACO_G 64", "TACO_FMT 1", "TACO_HADAMARD 2", "TACO_DUAL 0", "TACO_CAST 2", "TACO_IN 1",
+                  "TACO_OUT 1", "TACO_NSRC 3"):
+        assert f"#define {macro}\n" in text
+
+
+def test_bad_arguments_are_refused_before_any_launch():
+    cfg = QuantConfig()
+    x = torch.randn(4, 256)
+    buf = torch.empty(cfg.wire_bytes(x.numel()), dtype=torch.uint8)
+    with pytest.raises(TypeError, match="float64"):
+        cuda.compress_into(x.double(), cfg, buf)
+    with pytest.raises(ValueError, match="3 equal chunks"):
+        cuda.compress_into(x, cfg, buf, segments=3)
+    with pytest.raises(ValueError, match="uint8 tensor of 1088 bytes for 2 message"):
+        cuda.compress_into(x, cfg, buf[:-4], segments=2)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        cuda.compress_into(x, cfg, buf)
+    c = quant.compress(x, cfg)  # separate tensors, not one packed buffer
+    with pytest.raises(ValueError, match="packed messages"):
+        cuda.gather_into([c], torch.empty(x.numel()))
+    packed = quant.packed_view(quant.pack(c), x.shape, x.dtype, cfg)
+    other = quant.packed_view(quant.pack(quant.compress(x[:2], cfg)), x[:2].shape, x.dtype, cfg)
+    with pytest.raises(ValueError, match="same config and size"):
+        cuda.sum_into([packed, other], torch.empty(x.numel()))
+    with pytest.raises(ValueError, match="1..8 messages"):
+        cuda.sum_into([packed] * 9, torch.empty(x.numel()))
+    with pytest.raises(ValueError, match="out has 1024 elements, 2 messages of 1024 need 2048"):
+        cuda.gather_into([packed, packed], torch.empty(x.numel()))
+    with pytest.raises(TypeError, match="decompress to float32"):
+        cuda.sum_into([packed], torch.empty(x.numel(), dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous CUDA tensor on the messages' device"):
+        cuda.sum_into([packed], torch.empty(x.numel()))
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_configs() -> list[QuantConfig]:
+    configs = [QuantConfig(g, fmt, hadamard=h, dual_scale=d)
+               for fmt, g, h, d in itertools.product(["e4m3", "e5m2"], [32, 128, 512], [False, True, "adaptive"],
+                                                     [False, True])]
+    configs += [QuantConfig(g) for g in (64, 256)]
+    configs += [QuantConfig(128, hadamard=h, dual_scale=d, transform_input_dtype=t)
+                for h, d, t in itertools.product([True, "adaptive"], [False, True], [torch.float16, torch.bfloat16])]
+    return configs
+
+
+def _precompile(configs: list[QuantConfig], sums: int) -> None:
+    """Every cubin the check launches, compiled in parallel first (one nvcc each, ~2 s)."""
+    sources = {cuda.specialization(cfg, dtype, n) for cfg in configs for dtype in DTYPES for n in (1, sums)}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(compile_cubin, sources))
+
+
+def _inputs(cfg: QuantConfig) -> list[torch.Tensor]:
+    x = gaussian((37, 129), seed=1)  # ragged: the last group padded
+    edges = edge_inputs()
+    if cfg.hadamard and not cfg.dual_scale:  # single scale + transform: finite only for |x| <= FP32_MAX / sqrt(G)
+        edges = edges[: 5 * 2048]
+    return [x, x.bfloat16(), x.half(), edges, torch.randn(3, 5000) * 3]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_kernels_match_the_reference_bit_for_bit():
+    """compress (FP32/FP16/BF16 input, ragged sizes, edge values), decompress to every dtype,
+    gather and sum of several messages, for every format, G and switch."""
+    dev = torch.device("cuda")
+    failures = []
+    _precompile(_gpu_configs(), 3)
+    for cfg in _gpu_configs():
+        for data in _inputs(cfg):
+            ref = quant.compress(data, cfg)
+            ker = cuda.compress(data.to(dev), cfg)
+            if not torch.equal(quant.pack(ker).cpu(), quant.pack(ref)):
+                failures.append(f"compress {cfg} {data.dtype} {tuple(data.shape)}")
+                continue
+            for dtype in DTYPES:
+                if not same_bits(cuda.decompress(ker, dtype).cpu(), quant.decompress(ref, dtype)):
+                    failures.append(f"decompress {cfg} {data.dtype} -> {dtype}")
+        # several messages: gather into place, sum in order (-0.0 kept by the first term)
+        xs = [gaussian((5, 300), seed=s) for s in range(3)]
+        refs = [quant.compress(x, cfg) for x in xs]
+        bufs = [quant.pack(r).to(dev) for r in refs]
+        msgs = [quant.packed_view(b, xs[0].shape, xs[0].dtype, cfg) for b in bufs]
+        gathered = cuda.gather_into(msgs, torch.empty(3, *xs[0].shape, device=dev, dtype=torch.bfloat16)).cpu()
+        for p in range(3):
+            if not same_bits(gathered[p], quant.decompress(refs[p], torch.bfloat16)):
+                failures.append(f"gather {cfg} message {p}")
+        total = quant.decompress(refs[0], torch.float32)
+        for r in refs[1:]:
+            total = total + quant.decompress(r, torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = cuda.sum_into(msgs, torch.empty(xs[0].shape, device=dev, dtype=dtype)).cpu()
+            if not same_bits(got, total.to(dtype)):
+                failures.append(f"sum {cfg} -> {dtype}")
+        # segments: chunk q of x compressed into message q
+        x = torch.randn(4, 1000, device=dev, dtype=torch.bfloat16)
+        seg = cfg.wire_bytes(1000)
+        buf = cuda.compress_into(x, cfg, torch.empty(4 * seg, dtype=torch.uint8, device=dev), segments=4)
+        for q in range(4):
+            if not torch.equal(buf[q * seg:(q + 1) * seg].cpu(), quant.pack(quant.compress(x[q].cpu(), cfg))):
+                failures.append(f"segment {q} {cfg}")
+    assert not failures, f"{len(failures)} mismatches: " + "; ".join(failures[:20])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_kernels_timed_against_triton():
+    """Median times (CUDA events) at 16 and 256 MiB of BF16, G=128: CUDA vs Triton (run with -s)."""
+    from commweave.evaluate.timing import cuda_median_us
+    from commweave.taco import kernels
+
+    dev = torch.device("cuda")
+    print()
+    for mib in (16, 256):
+        xb = torch.randn(mib << 19, device=dev, dtype=torch.bfloat16)
+        for cfg in (QuantConfig(128), QuantConfig(128, hadamard=False)):
+            c = cuda.compress(xb, cfg)
+            out = torch.empty_like(xb)
+            t = {"compress_cuda": cuda_median_us(lambda: cuda.compress(xb, cfg), 20),
+                 "compress_triton": cuda_median_us(lambda: kernels.compress(xb, cfg), 20),
+                 "decompress_cuda": cuda_median_us(lambda: cuda.gather_into([c], out), 20),
+                 "decompress_triton": cuda_median_us(lambda: kernels.decompress_into(c, out), 20)}
+            traffic = xb.numel() * 2 + cfg.wire_bytes(xb.numel())
+            print(f"taco-cuda {mib} MiB bf16 G=128 hadamard={cfg.hadamard!s:5} "
+                  + " ".join(f"{k}={v:.1f}us" for k, v in t.items())
+                  + f" | cuda compress {traffic / t['compress_cuda'] / 1e3:.0f} GB/s,"
+                  + f" decompress {traffic / t['decompress_cuda'] / 1e3:.0f} GB/s")
+            assert t["compress_cuda"] < t["compress_triton"], t
