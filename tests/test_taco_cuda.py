@@ -51,15 +51,13 @@ def test_every_specialization_class_compiles_for_sm90():
     with ThreadPoolExecutor(8) as pool:
         logs = list(pool.map(lambda c: compile_cubin(cuda.specialization(*c)).log, cases))
     for (cfg, dtype, n), log in zip(cases, logs):
-        for kernel in ("taco_compress", "taco_gather", "taco_sum"):
-            assert f"'{kernel}'" in log, (cfg, dtype, n, kernel)
-        frames = [tuple(int(w) for w in re.findall(r"(\d+) bytes", line)) for line in log.splitlines() if "stack frame" in line]
-        assert len(frames) == 3, log
-        # G=512 holds 16 elements a lane: a stack frame, and with both transforms (adaptive) a few spills
-        if cfg.group_size < 512:
-            assert all(f == (0, 0, 0) for f in frames), (cfg, dtype, n, frames)
-        elif cfg.hadamard != "adaptive":
-            assert all(spill_st == spill_ld == 0 for _, spill_st, spill_ld in frames), (cfg, dtype, n, frames)
+        frames = dict(zip(re.findall(r"Function properties for (\w+)", log),
+                          [tuple(int(w) for w in re.findall(r"(\d+) bytes", line))
+                           for line in log.splitlines() if "stack frame" in line]))
+        assert set(frames) == {"taco_compress", "taco_gather", "taco_sum"}, log
+        for kernel, frame in frames.items():
+            # adaptive compression holds both transforms' values at once: it may spill a little
+            assert frame == (0, 0, 0) or (kernel == "taco_compress" and cfg.hadamard == "adaptive"), (cfg, dtype, n, frames)
 
 
 def test_specialization_refuses_what_the_kernels_do_not_take():

@@ -76,10 +76,9 @@ def _grid(device_index: int, warp_items: int) -> int:
     return max(1, min(blocks, _sm_count(device_index) * _GRID_BLOCKS_PER_SM))
 
 
-def _items(cfg: QuantConfig, numel: int) -> int:
-    """Work items of one message: runs of U groups (the .cu's U)."""
-    runs_of = min(8, 1024 // cfg.group_size)
-    return -(-cfg.num_groups(numel) // runs_of)
+def _items(numel: int) -> int:
+    """Work items (warps) of one message: 1024 elements each (the .cu's ITEM)."""
+    return -(-numel // 1024)
 
 
 def _aligned(ptr: int, stride_bytes: int) -> bool:
@@ -87,28 +86,30 @@ def _aligned(ptr: int, stride_bytes: int) -> bool:
 
 
 def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> torch.Tensor:
-    """Compress `x` into `buf` in `quant.pack`'s layout; with `segments` > 1, x (split into that
-    many equal chunks along dim 0) into as many packed messages back to back, chunk q at
-    q * cfg.wire_bytes(chunk) (what a reduce-scatter sends rank q). One launch; returns buf."""
+    """Compress `x` into `buf` (16-byte aligned) in `quant.pack`'s layout; with `segments` > 1, x
+    (split into that many equal chunks along dim 0) into as many packed messages, chunk q at
+    q * cfg.packed_stride(chunk) (what a reduce-scatter sends rank q). One launch; returns buf."""
     if x.dtype not in DTYPE_CODE:
         raise TypeError(f"the CUDA kernels compress float32, float16 or bfloat16 tensors, got {x.dtype}")
     if x.dim() == 0 or segments < 1 or x.shape[0] % segments:
         raise ValueError(f"cannot split shape {tuple(x.shape)} into {segments} equal chunks along dim 0")
     x = x.contiguous()
     chunk = x.numel() // segments
-    seg_bytes = cfg.wire_bytes(chunk)  # raises for pad=False and a ragged chunk
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() != segments * seg_bytes:
-        raise ValueError(f"buf must be a contiguous 1-D uint8 tensor of {segments * seg_bytes} bytes for {segments} "
+    wire = cfg.wire_bytes(chunk)  # raises for pad=False and a ragged chunk
+    stride = cfg.packed_stride(chunk) if segments > 1 else wire
+    size = segments * stride
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() != size:
+        raise ValueError(f"buf must be a contiguous 1-D uint8 tensor of {size} bytes for {segments} "
                          f"message(s) of {chunk} elements under {cfg}, got {buf.dtype} {tuple(buf.shape)}")
     if buf.device != x.device:
         raise ValueError(f"x is on {x.device} but buf on {buf.device}")
-    if buf.data_ptr() % 4:
-        raise ValueError("buf must start at a 4-byte aligned address (the scales are FP32)")
+    if buf.data_ptr() % 16:
+        raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
     if chunk == 0:
         return buf
     vec = _aligned(x.data_ptr(), chunk * x.element_size())
-    _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(cfg, chunk),
-            [x, chunk, chunk, segments, buf, seg_bytes, int(vec)])
+    _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(chunk),
+            [x, chunk, chunk, segments, buf, stride, int(vec)])
     return buf
 
 
@@ -135,9 +136,12 @@ def _packed_address(c: Compressed) -> int:
     n_payload = groups * cfg.group_size
     packed = (c.payload.is_contiguous() and c.scale.is_contiguous() and c.scale.data_ptr() == base + n_payload
               and (c.pre_scale is None or (c.pre_scale.is_contiguous() and c.pre_scale.data_ptr() == base + n_payload + 4 * groups)))
-    if not packed or base % 4:
-        raise ValueError("the CUDA kernels read packed messages (payload, scales, pre-scales back to back, 4-byte "
-                         "aligned, as `quant.pack` / `compress_into` write them): use `quant.packed_view` of the buffer")
+    if not packed:
+        raise ValueError("the CUDA kernels read packed messages (payload, scales, pre-scales back to back, as "
+                         "`quant.pack` / `compress_into` write them): use `quant.packed_view` of the buffer")
+    if base % 16:
+        raise ValueError(f"a packed message must start at a 16-byte aligned address (the kernels load 16 bytes at a "
+                         f"time), this one is at {base % 16} past one")
     return base
 
 
@@ -168,7 +172,7 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     cfg, numel, ptrs = _sources(cs, out, "gather_into", len(cs) * cs[0].numel if cs else 0)
     if numel:
         vec = _aligned(out.data_ptr(), numel * out.element_size())
-        _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(cfg, numel),
+        _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
                 [ptrs, len(cs), numel, out, numel, int(vec)])
     return out
 
@@ -178,7 +182,7 @@ def sum_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     reference's `decompress(cs[0]) + decompress(cs[1]) + ...` then `.to(dtype)`, in one launch."""
     cfg, numel, ptrs = _sources(cs, out, "sum_into", cs[0].numel if cs else 0)
     if numel:
-        _launch(out.device, specialization(cfg, out.dtype, len(cs)), "taco_sum", _items(cfg, numel),
+        _launch(out.device, specialization(cfg, out.dtype, len(cs)), "taco_sum", _items(numel),
                 [ptrs, numel, out, int(_aligned(out.data_ptr(), 0))])
     return out
 

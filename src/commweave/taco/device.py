@@ -86,7 +86,8 @@ class Transport(Protocol):
 
 class Codec(Protocol):
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
-        """x split into `segments` equal chunks along dim 0, chunk q packed at q * wire_bytes(chunk)."""
+        """x split into `segments` equal chunks along dim 0, chunk q packed at q * packed_stride(chunk)
+        (one message: the whole buffer)."""
         ...
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
@@ -113,9 +114,10 @@ class PerMessageCodec:
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
         chunks = x.chunk(segments, dim=0)
-        seg = buf.numel() // segments
+        wire = cfg.wire_bytes(chunks[0].numel())
+        stride = cfg.packed_stride(chunks[0].numel()) if segments > 1 else wire
         for q, chunk in enumerate(chunks):
-            self.compress_one(chunk, cfg, buf[q * seg:(q + 1) * seg])
+            self.compress_one(chunk, cfg, buf[q * stride:q * stride + wire])
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         for p, c in enumerate(cs):
@@ -231,17 +233,18 @@ class DeviceCollectives:
 
     def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         """Chunk `rank` (of x split along dim 0) summed over ranks; chunk q compressed into
-        segment q of the buffer, rank q reads segment q of every rank's buffer."""
+        segment q of the buffer (at q * packed_stride), rank q reads segment q of every rank's buffer."""
         _check_input(x, self.t.device)
         world, rank = self.t.world_size, self.t.rank
         _check_dim0(x, world)
         chunk_shape = (x.shape[0] // world, *x.shape[1:])
-        seg = cfg.wire_bytes(math.prod(chunk_shape))
-        key, buf = self._buffer("reduce_scatter", tuple(x.shape), x.dtype, cfg, world * seg)
+        stride = cfg.packed_stride(math.prod(chunk_shape))
+        key, buf = self._buffer("reduce_scatter", tuple(x.shape), x.dtype, cfg, world * stride)
         self.codec.compress_into(x, cfg, buf, segments=world)
         self._barrier()
         out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-        self.codec.sum_into(self._messages(buf, rank * seg, (rank + 1) * seg, chunk_shape, x.dtype, cfg), out)
+        lo = rank * stride
+        self.codec.sum_into(self._messages(buf, lo, lo + cfg.wire_bytes(math.prod(chunk_shape)), chunk_shape, x.dtype, cfg), out)
         self._read_at[key] = self.barriers
         return out
 

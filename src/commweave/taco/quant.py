@@ -109,6 +109,11 @@ class QuantConfig:
         groups = self.num_groups(numel)
         return groups * self.group_size + 4 * self.scales_per_group * groups
 
+    def packed_stride(self, numel: int) -> int:
+        """Bytes from one packed message of `numel` elements to the next in a buffer holding several
+        (a reduce-scatter's chunks): wire bytes rounded up to 16, the CUDA kernels' access alignment."""
+        return -(-self.wire_bytes(numel) // 16) * 16
+
 
 @dataclass
 class Compressed:

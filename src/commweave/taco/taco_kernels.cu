@@ -1,12 +1,16 @@
-// TACO's quantizer as CUDA kernels: one warp per group of G elements, G/32 contiguous elements per
-// lane, the fast Walsh-Hadamard transform as in-register butterflies then warp shuffles.
+// TACO's quantizer as CUDA kernels. Layout: every lane holds 32 contiguous elements, a group of G
+// elements spans LANES = G/32 neighbouring lanes, so a warp works on 1024 elements (32/LANES groups)
+// at once. The Hadamard butterflies with a stride under 32 and most of each pairwise sum stay in
+// registers; only the log2(LANES) strides of 32 and more cross lanes (warp shuffles, whose rate,
+// one warp instruction a clock per SM, bounded the one-warp-per-group layout).
 //
 // Bit for bit `commweave.taco.quant` (the torch reference), like the Triton kernels: every
 // division and square root is IEEE round-to-nearest (__fdiv_rn, __fsqrt_rn), every add and
 // multiply is an explicit __fadd_rn / __fmul_rn (never contracted into an FMA), sums are pairwise in
-// the reference's order (first half + second half: lanes 16, 8, .., 1 apart, then registers),
-// butterfly stage h pairs element i with i + h in the reference's order h = 1, 2, 4, .., and the
-// FP8 / 16-bit casts round to nearest even after the reference's clamps.
+// the reference's order (element i + element i + half, half = G/2, G/4, .., 1: lanes first, then
+// registers), butterfly stage h pairs element i with i + h in the reference's order h = 1, 2, 4, ..
+// (registers first, then lanes), and the FP8 / 16-bit casts round to nearest even after the
+// reference's clamps.
 //
 // Specialised by the host (`taco/cuda.py`) with these macros, one cubin per combination:
 //   TACO_G         group size (32..512, a power of two)
@@ -16,20 +20,21 @@
 //   TACO_CAST      transform input rounded to 0: FP32 (no-op), 1: FP16, 2: BF16
 //   TACO_IN        compress input  0: FP32, 1: FP16, 2: BF16
 //   TACO_OUT       decompress output 0: FP32, 1: FP16, 2: BF16
-//   TACO_NSRC      sources the summing decompress adds (1..8)
+//   TACO_NSRC      messages the summing decompress adds (1..8)
 //   TACO_MIN_BLOCKS  blocks of 256 threads per SM the register budget must allow
 //
 // Packed layout of one message (`quant.pack`): FP8 payload [groups * G] bytes, FP32 post-scales
-// [groups], FP32 pre-scales [groups] when TACO_DUAL. A work item is a run of U consecutive groups
-// of one message: lane j loads/stores group j's scales (one coalesced access for the run).
+// [groups], FP32 pre-scales [groups] when TACO_DUAL. A work item is 1024 consecutive elements of one
+// message; the first lane of each group stores / every lane loads its group's scales.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
 
 #define G TACO_G
-constexpr int E = G / 32;                    // elements per lane
-constexpr int U = (1024 / G) < 8 ? (1024 / G) : 8;  // groups per work item: 8 (one 32-byte sector of scales), at most 32 elements a lane
+constexpr int E = 32;                        // elements per lane
+constexpr int LANES = G / E;                 // lanes per group
+constexpr int ITEM = 32 * E;                 // elements per warp and work item
 constexpr unsigned FULL = 0xffffffffu;
 constexpr float SQRT_HALF = 0.7071067811865476f;
 constexpr float TINY = 1.17549435e-38f;      // FP32's smallest normal
@@ -55,20 +60,21 @@ template <> __device__ __forceinline__ float from_float<0>(float v) { return v; 
 template <> __device__ __forceinline__ __half from_float<1>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<2>(float v) { return __float2bfloat16_rn(v); }
 
-template <int N, typename T> struct alignas(N * sizeof(T)) Vec { T v[N]; };
+template <typename T> struct alignas(16) Chunk { T v[16 / sizeof(T)]; };  // one 16-byte access
 
-// E contiguous elements of lane `lane` of a group at `base` (element index `first` of a message of
-// `numel` elements): a vector access when the whole group is in range and `vec` says aligned.
+// This lane's 32 elements starting at `first` of a message of `numel`: all 16-byte loads issued
+// before any is used when the lane is whole and `vec` says aligned; else element by element.
 template <typename T>
 __device__ __forceinline__ void load_lane(const T* base, long long first, long long numel, bool vec, float (&v)[E]) {
+  constexpr int N = 16 / sizeof(T);
   if (vec && first + E <= numel) {
-    constexpr int N = (E * sizeof(T) <= 16) ? E : 16 / sizeof(T);
+    Chunk<T> raw[E / N];
 #pragma unroll
-    for (int k = 0; k < E; k += N) {
-      Vec<N, T> w = *reinterpret_cast<const Vec<N, T>*>(base + k);
+    for (int k = 0; k < E / N; ++k) raw[k] = reinterpret_cast<const Chunk<T>*>(base)[k];
 #pragma unroll
-      for (int r = 0; r < N; ++r) v[k + r] = to_float(w.v[r]);
-    }
+    for (int k = 0; k < E / N; ++k)
+#pragma unroll
+      for (int r = 0; r < N; ++r) v[k * N + r] = to_float(raw[k].v[r]);
   } else {
 #pragma unroll
     for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(base[r]) : 0.0f;
@@ -79,14 +85,14 @@ template <int CODE>
 __device__ __forceinline__ void store_lane(typename Storage<CODE>::T* base, long long first, long long numel, bool vec,
                                            const float (&v)[E]) {
   using T = typename Storage<CODE>::T;
+  constexpr int N = 16 / sizeof(T);
   if (vec && first + E <= numel) {
-    constexpr int N = (E * sizeof(T) <= 16) ? E : 16 / sizeof(T);
 #pragma unroll
-    for (int k = 0; k < E; k += N) {
-      Vec<N, T> w;
+    for (int k = 0; k < E / N; ++k) {
+      Chunk<T> c;
 #pragma unroll
-      for (int r = 0; r < N; ++r) w.v[r] = from_float<CODE>(v[k + r]);
-      *reinterpret_cast<Vec<N, T>*>(base + k) = w;
+      for (int r = 0; r < N; ++r) c.v[r] = from_float<CODE>(v[k * N + r]);
+      reinterpret_cast<Chunk<T>*>(base)[k] = c;
     }
   } else {
 #pragma unroll
@@ -95,61 +101,43 @@ __device__ __forceinline__ void store_lane(typename Storage<CODE>::T* base, long
   }
 }
 
-// Payload bytes of one lane, kept packed in 32-bit words (byte r in word r / 4): E bytes at a
-// 4-byte-aligned offset when E >= 4, else 1 or 2 bytes.
-constexpr int WORDS = E >= 4 ? E / 4 : 1;
+// A lane's 32 payload bytes, byte r in word r / 4 (two 16-byte accesses: messages start 16-byte
+// aligned, and a lane's bytes at a multiple of 32 from there).
+struct Payload {
+  uint32_t w[E / 4];
+};
 
-__device__ __forceinline__ uint8_t payload_byte(const uint32_t (&w)[WORDS], int r) { return (w[r / 4] >> (8 * (r % 4))) & 0xff; }
-
-__device__ __forceinline__ void load_payload(const uint8_t* p, uint32_t (&w)[WORDS]) {
-  if constexpr (E >= 4) {
-#pragma unroll
-    for (int k = 0; k < WORDS; ++k) w[k] = *reinterpret_cast<const uint32_t*>(p + 4 * k);
-  } else if constexpr (E == 2) {
-    w[0] = *reinterpret_cast<const uint16_t*>(p);
-  } else {
-    w[0] = *p;
-  }
-}
-
-__device__ __forceinline__ void store_payload(uint8_t* p, const uint8_t (&q)[E]) {
-  if constexpr (E >= 4) {
-#pragma unroll
-    for (int k = 0; k < E; k += 4)
-      *reinterpret_cast<uint32_t*>(p + k) = q[k] | (q[k + 1] << 8) | (q[k + 2] << 16) | ((uint32_t)q[k + 3] << 24);
-  } else if constexpr (E == 2) {
-    *reinterpret_cast<uint16_t*>(p) = q[0] | (q[1] << 8);
-  } else {
-    *p = q[0];
-  }
-}
+__device__ __forceinline__ uint8_t payload_byte(const Payload& p, int r) { return (p.w[r / 4] >> (8 * (r % 4))) & 0xff; }
 
 // -- per-group math (the reference's order) ---------------------------------------------------------
 
-__device__ __forceinline__ float warp_absmax(const float (&v)[E]) {
+// max |v| over the group (this lane's registers, then its group's lanes)
+__device__ __forceinline__ float group_absmax(const float (&v)[E]) {
   float m = 0.0f;
 #pragma unroll
   for (int r = 0; r < E; ++r) m = fmaxf(m, fabsf(v[r]));
 #pragma unroll
-  for (int k = 16; k >= 1; k >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, k));
+  for (int k = LANES / 2; k >= 1; k >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, k));
   return m;
 }
 
-// quant._pairwise_sum of the group: element i + element i + half, half = G/2, G/4, .., 1.
-__device__ __forceinline__ float warp_pairwise_sum(float (&s)[E]) {
+// quant._pairwise_sum of the group: element i + element i + half, half = G/2, .., 1. Halves of 32
+// and more are lanes LANES/2, .., 1 apart (both lanes get the same sum: IEEE addition commutes).
+__device__ __forceinline__ float group_pairwise_sum(float (&s)[E]) {
 #pragma unroll
-  for (int k = 16; k >= 1; k >>= 1)
+  for (int k = LANES / 2; k >= 1; k >>= 1)
 #pragma unroll
     for (int r = 0; r < E; ++r) s[r] = __fadd_rn(s[r], __shfl_xor_sync(FULL, s[r], k));
 #pragma unroll
-  for (int half = E / 2; half >= 1; half >>= 1)
+  for (int step = 1; step <= 5; ++step)  // half = 16, 8, .., 1 (constant bounds: fully unrolled, s stays in registers)
 #pragma unroll
-    for (int r = 0; r < half; ++r) s[r] = __fadd_rn(s[r], s[r + half]);
+    for (int r = 0; r < E / 2; ++r)
+      if (r < (E >> step)) s[r] = __fadd_rn(s[r], s[r + (E >> step)]);
   return s[0];
 }
 
 // quant.fwht: stage h pairs i and i + h, h = 1, 2, ..; (a + b) * c and (a - b) * c, c = sqrt(1/2).
-__device__ __forceinline__ void warp_fwht(float (&v)[E], int lane) {
+__device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
 #pragma unroll
   for (int h = 1; h < E; h <<= 1)
 #pragma unroll
@@ -160,7 +148,7 @@ __device__ __forceinline__ void warp_fwht(float (&v)[E], int lane) {
         v[r + h] = __fmul_rn(__fsub_rn(a, b), SQRT_HALF);
       }
 #pragma unroll
-  for (int k = 1; k < 32; k <<= 1) {  // stage h = k * E: lanes k apart
+  for (int k = 1; k < LANES; k <<= 1) {  // stage h = 32 k: lanes k apart
     const bool upper = lane & k;
 #pragma unroll
     for (int r = 0; r < E; ++r) {
@@ -172,7 +160,7 @@ __device__ __forceinline__ void warp_fwht(float (&v)[E], int lane) {
 
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
 __device__ __forceinline__ float group_rms(const float (&v)[E]) {
-  const float absmax = warp_absmax(v);
+  const float absmax = group_absmax(v);
   const float safe = absmax > 0.0f ? absmax : 1.0f;
   float s[E];
 #pragma unroll
@@ -180,20 +168,26 @@ __device__ __forceinline__ float group_rms(const float (&v)[E]) {
     const float t = __fdiv_rn(v[r], safe);
     s[r] = __fmul_rn(t, t);
   }
-  const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(warp_pairwise_sum(s), (float)G)));
+  const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(group_pairwise_sum(s), (float)G)));
   return rms > 0.0f ? rms : safe;
 }
 
+__device__ __forceinline__ float fp8_value(uint8_t q) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, FP8_KIND))); }
+
 // quant._quantize: absmax scale to the FP8 maximum (zero group: 1; floor: the smallest normal);
-// payload = clamp(y / scale) rounded to nearest even (q: the FP8 values, as FP32, for adaptive).
-__device__ __forceinline__ float group_quantize(const float (&y)[E], uint8_t (&q)[E], float (&qf)[E]) {
-  const float absmax = warp_absmax(y);
+// payload = clamp(y / scale) rounded to nearest even.
+__device__ __forceinline__ float group_quantize(const float (&y)[E], Payload& q) {
+  const float absmax = group_absmax(y);
   const float scale = absmax > 0.0f ? fmaxf(__fdiv_rn(absmax, FP8_MAX), TINY) : 1.0f;
 #pragma unroll
-  for (int r = 0; r < E; ++r) {
-    const float c = fminf(fmaxf(__fdiv_rn(y[r], scale), -FP8_MAX), FP8_MAX);
-    q[r] = __nv_cvt_float_to_fp8(c, __NV_SATFINITE, FP8_KIND);
-    qf[r] = __half2float(__half(__nv_cvt_fp8_to_halfraw(q[r], FP8_KIND)));
+  for (int k = 0; k < E / 4; ++k) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float c = fminf(fmaxf(__fdiv_rn(y[4 * k + r], scale), -FP8_MAX), FP8_MAX);
+      word |= (uint32_t)__nv_cvt_float_to_fp8(c, __NV_SATFINITE, FP8_KIND) << (8 * r);
+    }
+    q.w[k] = word;
   }
   return scale;
 }
@@ -208,57 +202,62 @@ __device__ __forceinline__ float cast_transform_input(float v) {
 #endif
 }
 
-// One group: v (the input, FP32) -> payload bytes q, post-scale, pre-scale.
-__device__ __forceinline__ void compress_group(float (&v)[E], int lane, uint8_t (&q)[E], float& scale, float& pre) {
+// One group (this lane's part): v (the input, FP32) -> payload bytes q, post-scale, pre-scale.
+__device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre) {
   pre = 1.0f;
 #if TACO_DUAL
   pre = group_rms(v);
 #pragma unroll
   for (int r = 0; r < E; ++r) v[r] = __fdiv_rn(v[r], pre);
 #endif
-  float qf[E];
 #if TACO_HADAMARD == 0
-  scale = group_quantize(v, q, qf);
+  scale = group_quantize(v, q);
+#elif TACO_HADAMARD == 1
+#pragma unroll
+  for (int r = 0; r < E; ++r) v[r] = cast_transform_input(v[r]);
+  group_fwht(v, lane);  // in place: the untransformed values are not needed again
+  scale = group_quantize(v, q);
 #else
   float y[E];
 #pragma unroll
   for (int r = 0; r < E; ++r) y[r] = cast_transform_input(v[r]);
-  warp_fwht(y, lane);
-  scale = group_quantize(y, q, qf);
-#if TACO_HADAMARD == 2
-  uint8_t qp[E];
-  float qpf[E];
-  const float sp = group_quantize(v, qp, qpf);
-  float dt[E], dp[E];
+  group_fwht(y, lane);
+  scale = group_quantize(y, q);
+  // per group the lower L2 error of transformed / plain (quant.compress, hadamard="adaptive")
+  Payload qp;
+  const float sp = group_quantize(v, qp);
 #pragma unroll
-  for (int r = 0; r < E; ++r) dt[r] = __fmul_rn(qf[r], scale);
-  warp_fwht(dt, lane);
+  for (int r = 0; r < E; ++r) y[r] = __fmul_rn(fp8_value(payload_byte(q, r)), scale);
+  group_fwht(y, lane);
+  float dp[E];
 #pragma unroll
   for (int r = 0; r < E; ++r) {
-    const float a = __fsub_rn(dt[r], v[r]), b = __fsub_rn(__fmul_rn(qpf[r], sp), v[r]);
-    dt[r] = __fmul_rn(a, a);
+    const float a = __fsub_rn(y[r], v[r]), b = __fsub_rn(__fmul_rn(fp8_value(payload_byte(qp, r)), sp), v[r]);
+    y[r] = __fmul_rn(a, a);
     dp[r] = __fmul_rn(b, b);
   }
-  const bool use_t = warp_pairwise_sum(dt) < warp_pairwise_sum(dp);
-  if (!use_t) {
-#pragma unroll
-    for (int r = 0; r < E; ++r) q[r] = qp[r];
-  }
+  const bool use_t = group_pairwise_sum(y) < group_pairwise_sum(dp);
+  if (!use_t) q = qp;
   scale = use_t ? -scale : sp;
-#endif
 #endif
 }
 
-// One group back to FP32 (quant.decompress before its final cast).
-__device__ __forceinline__ void decompress_group(const uint32_t (&q)[WORDS], float scale, float pre, int lane, float (&v)[E]) {
+// One group (this lane's part) back to FP32: quant.decompress before its final cast.
+__device__ __forceinline__ void decompress_group(const Payload& p, float scale, float pre, int lane, float (&v)[E]) {
+  const float s = TACO_HADAMARD == 2 ? fabsf(scale) : scale;
 #pragma unroll
-  for (int r = 0; r < E; ++r)
-    v[r] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(payload_byte(q, r), FP8_KIND))),
-                     TACO_HADAMARD == 2 ? fabsf(scale) : scale);
+  for (int r = 0; r < E; ++r) v[r] = __fmul_rn(fp8_value(payload_byte(p, r)), s);
 #if TACO_HADAMARD == 1
-  warp_fwht(v, lane);
+  group_fwht(v, lane);
 #elif TACO_HADAMARD == 2
-  if (scale < 0.0f) warp_fwht(v, lane);
+  if (__any_sync(FULL, scale < 0.0f)) {  // warp-uniform: some group of this warp was transformed
+    float t[E];
+#pragma unroll
+    for (int r = 0; r < E; ++r) t[r] = v[r];
+    group_fwht(t, lane);  // every lane takes part in the shuffles; each keeps its group's choice
+#pragma unroll
+    for (int r = 0; r < E; ++r) v[r] = scale < 0.0f ? t[r] : v[r];
+  }
 #endif
 #if TACO_DUAL
 #pragma unroll
@@ -273,52 +272,72 @@ struct Sources {
 };
 
 // Compress `segments` messages of `numel` elements each, message s at x + s * x_stride, into packed
-// message s at buf + s * buf_stride. vec: x and x_stride allow vector loads.
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS) taco_compress(const void* x_, long long numel, long long x_stride,
-                                                                int segments, uint8_t* buf, long long buf_stride, int vec) {
+// message s at buf + s * buf_stride (16-byte aligned). vec: x and x_stride allow 16-byte loads.
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
+taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride, int vec) {
   using T = typename Storage<TACO_IN>::T;
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31;
   const long long groups = (numel + G - 1) / G;
-  const long long runs = (groups + U - 1) / U;
-  const long long items = runs * segments;
+  const long long per_segment = (numel + ITEM - 1) / ITEM;
+  const long long items = per_segment * segments;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
-    const long long seg = item / runs, g0 = (item % runs) * U;
-    const T* xs = x + seg * x_stride;
-    uint8_t* payload = buf + seg * buf_stride;
-    float* scales = reinterpret_cast<float*>(payload + groups * G);
-    float v[U][E];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const long long first = (g0 + u) * G + lane * E;
-      if (g0 + u < groups) load_lane(xs + first, first, numel, vec, v[u]);
-    }
-    float my_scale = 0.0f;
-    [[maybe_unused]] float my_pre = 0.0f;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (g0 + u >= groups) break;  // uniform over the warp
-      uint8_t q[E];
-      float scale, pre;
-      compress_group(v[u], lane, q, scale, pre);
-      store_payload(payload + (g0 + u) * G + lane * E, q);
-      if (lane == u) { my_scale = scale; my_pre = pre; }
-    }
-    if (lane < U && g0 + lane < groups) {
-      scales[g0 + lane] = my_scale;
+    const long long seg = item / per_segment;
+    const long long first = (item - seg * per_segment) * ITEM + lane * E;  // this lane's first element
+    const long long group = first / G;
+    float v[E];
+    load_lane(x + seg * x_stride + first, first, numel, vec, v);
+    Payload q;
+    float scale, pre;
+    compress_group(v, lane, q, scale, pre);  // every lane takes part (shuffles); groups past the end are dropped
+    if (group < groups) {
+      uint8_t* payload = buf + seg * buf_stride;
+      uint4* dst = reinterpret_cast<uint4*>(payload + first);
+      dst[0] = make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]);
+      dst[1] = make_uint4(q.w[4], q.w[5], q.w[6], q.w[7]);
+      if (lane % LANES == 0) {
+        float* scales = reinterpret_cast<float*>(payload + groups * G);
+        scales[group] = scale;
 #if TACO_DUAL
-      scales[groups + g0 + lane] = my_pre;
+        scales[groups + group] = pre;
 #endif
+      }
     }
   }
+}
+
+// This lane's part of a packed message: its 32 payload bytes and its group's scales (nothing past
+// the message's last group is read).
+struct LaneData {
+  Payload p;
+  float scale, pre;
+};
+
+__device__ __forceinline__ LaneData load_message(const uint8_t* payload, long long groups, long long first) {
+  LaneData d{};
+  const long long group = first / G;
+  d.scale = 1.0f;
+  d.pre = 1.0f;
+  if (group < groups) {
+    const uint4* src = reinterpret_cast<const uint4*>(payload + first);
+    const uint4 a = src[0], b = src[1];
+    d.p = Payload{{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
+    const float* scales = reinterpret_cast<const float*>(payload + groups * G);
+    d.scale = scales[group];
+#if TACO_DUAL
+    d.pre = scales[groups + group];
+#endif
+  }
+  return d;
 }
 
 // Decompress packed messages of `numel` elements each. SUM == false (gather): message p to
 // out + p * out_stride for p < n_src, warps interleaving the messages (consecutive warps read
 // different ranks: every link busy at once). SUM == true: out = the FP32 sum of the TACO_NSRC
-// messages' decompressions in source order (the first not added to zero, as the reference's), cast
-// once. vec: out and out_stride allow vector stores.
+// messages' decompressions in order (the first not added to zero, as the reference's), cast once;
+// the next message's bytes are loaded while the current one is decompressed.
+// vec: out and out_stride allow 16-byte stores.
 template <bool SUM>
 __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, long long numel, void* out_,
                                                  long long out_stride, int vec) {
@@ -326,50 +345,34 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   T* out = static_cast<T*>(out_);
   const int lane = threadIdx.x & 31;
   const long long groups = (numel + G - 1) / G;
-  const long long runs = (groups + U - 1) / U;
-  const long long items = SUM ? runs : runs * n_src;
+  const long long per_message = (numel + ITEM - 1) / ITEM;
+  const long long items = SUM ? per_message : per_message * n_src;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
     const int p0 = SUM ? 0 : (int)(item % n_src);
-    const long long g0 = (SUM ? item : item / n_src) * U;
-    float acc[U][E];
+    const long long first = (SUM ? item : item / n_src) * ITEM + lane * E;
+    float acc[E];
+    LaneData cur = load_message(reinterpret_cast<const uint8_t*>(src.ptr[p0]), groups, first);
 #pragma unroll 1
     for (int i = 0; i < (SUM ? TACO_NSRC : 1); ++i) {
-      const uint8_t* payload = reinterpret_cast<const uint8_t*>(src.ptr[p0 + i]);
-      const float* scales = reinterpret_cast<const float*>(payload + groups * G);
-      const bool mine = lane < U && g0 + lane < groups;
-      const float my_scale = mine ? scales[g0 + lane] : 1.0f;
-      const float my_pre = (TACO_DUAL && mine) ? scales[groups + g0 + lane] : 1.0f;
-      uint32_t q[U][WORDS];
+      LaneData next{};
+      if (SUM && i + 1 < TACO_NSRC) next = load_message(reinterpret_cast<const uint8_t*>(src.ptr[i + 1]), groups, first);
+      float v[E];
+      decompress_group(cur.p, cur.scale, cur.pre, lane, v);
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (g0 + u < groups) load_payload(payload + (g0 + u) * G + lane * E, q[u]);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (g0 + u >= groups) break;
-        const float scale = __shfl_sync(FULL, my_scale, u), pre = __shfl_sync(FULL, my_pre, u);
-        float v[E];
-        decompress_group(q[u], scale, pre, lane, v);
-#pragma unroll
-        for (int r = 0; r < E; ++r) acc[u][r] = i == 0 ? v[r] : __fadd_rn(acc[u][r], v[r]);
-      }
+      for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
+      cur = next;
     }
-    T* dst = out + (SUM ? 0 : p0 * out_stride);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (g0 + u >= groups) break;
-      const long long first = (g0 + u) * G + lane * E;
-      store_lane<TACO_OUT>(dst + first, first, numel, vec, acc[u]);
-    }
+    if (first / G < groups) store_lane<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride) + first, first, numel, vec, acc);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS) taco_gather(const __grid_constant__ Sources src, int n_src,
-                                                              long long numel, void* out, long long out_stride, int vec) {
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
+taco_gather(const __grid_constant__ Sources src, int n_src, long long numel, void* out, long long out_stride, int vec) {
   decompress_items<false>(src, n_src, numel, out, out_stride, vec);
 }
 
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS) taco_sum(const __grid_constant__ Sources src, long long numel,
-                                                           void* out, int vec) {
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
+taco_sum(const __grid_constant__ Sources src, long long numel, void* out, int vec) {
   decompress_items<true>(src, TACO_NSRC, numel, out, 0, vec);
 }
