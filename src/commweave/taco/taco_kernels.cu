@@ -109,6 +109,47 @@ struct Payload {
 
 __device__ __forceinline__ uint8_t payload_byte(const Payload& p, int r) { return (p.w[r / 4] >> (8 * (r % 4))) & 0xff; }
 
+// -- a warp's shared staging buffer: lane-contiguous data <-> coalesced 16-byte global accesses ----
+// A lane's LANE_BYTES are P = LANE_BYTES / 16 pieces; piece j of lane l sits in slot (j + l) % P of
+// the lane's stretch (a swizzle: coalesced reads and the lanes' writes hit few bank conflicts).
+// Global chunk c (16 bytes, c = 32 k + lane in access k) is piece c % P of lane c / P.
+
+template <int LANE_BYTES>
+__device__ __forceinline__ int stage_slot(int lane, int piece) {
+  constexpr int P = LANE_BYTES / 16;
+  return lane * LANE_BYTES + 16 * ((piece + lane) % P);
+}
+
+// lane pieces -> stage -> global (the whole 32 * LANE_BYTES bytes from `dst`, coalesced)
+template <int LANE_BYTES>
+__device__ __forceinline__ void store_staged(uint8_t* stage, const uint4 (&pieces)[LANE_BYTES / 16], uint8_t* dst, int lane) {
+  constexpr int P = LANE_BYTES / 16;
+#pragma unroll
+  for (int j = 0; j < P; ++j) *reinterpret_cast<uint4*>(stage + stage_slot<LANE_BYTES>(lane, j)) = pieces[j];
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = 32 * k + lane;
+    reinterpret_cast<uint4*>(dst)[c] = *reinterpret_cast<const uint4*>(stage + stage_slot<LANE_BYTES>(c / P, c % P));
+  }
+  __syncwarp();
+}
+
+// global chunks (already loaded coalesced: chunk 32 k + lane in raw[k]) -> stage -> lane pieces
+template <int LANE_BYTES>
+__device__ __forceinline__ void unstage(uint8_t* stage, const uint4 (&raw)[LANE_BYTES / 16], uint4 (&pieces)[LANE_BYTES / 16], int lane) {
+  constexpr int P = LANE_BYTES / 16;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int c = 32 * k + lane;
+    *reinterpret_cast<uint4*>(stage + stage_slot<LANE_BYTES>(c / P, c % P)) = raw[k];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < P; ++j) pieces[j] = *reinterpret_cast<const uint4*>(stage + stage_slot<LANE_BYTES>(lane, j));
+  __syncwarp();
+}
+
 // -- per-group math (the reference's order) ---------------------------------------------------------
 
 // max |v| over the group (this lane's registers, then its group's lanes)
@@ -276,6 +317,7 @@ struct Sources {
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride, int vec) {
   using T = typename Storage<TACO_IN>::T;
+  __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31;
   const long long groups = (numel + G - 1) / G;
@@ -291,11 +333,16 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
     Payload q;
     float scale, pre;
     compress_group(v, lane, q, scale, pre);  // every lane takes part (shuffles); groups past the end are dropped
+    uint8_t* payload = buf + seg * buf_stride;
+    const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+    const long long item_first = first - lane * E;
+    if (item_first + ITEM <= groups * G) {  // the whole item's payload exists: coalesced through the stage
+      store_staged<E>(stage[threadIdx.x / 32], pieces, payload + item_first, lane);
+    } else if (group < groups) {
+      reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
+      reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+    }
     if (group < groups) {
-      uint8_t* payload = buf + seg * buf_stride;
-      uint4* dst = reinterpret_cast<uint4*>(payload + first);
-      dst[0] = make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]);
-      dst[1] = make_uint4(q.w[4], q.w[5], q.w[6], q.w[7]);
       if (lane % LANES == 0) {
         float* scales = reinterpret_cast<float*>(payload + groups * G);
         scales[group] = scale;
@@ -307,22 +354,30 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   }
 }
 
-// This lane's part of a packed message: its 32 payload bytes and its group's scales (nothing past
-// the message's last group is read).
+// One message's share of a work item, as loaded: whole items as two coalesced 16-byte chunks per
+// lane (unstaged later), a partial item as this lane's own 32 bytes (nothing past the message's last
+// group is read); and this lane's group's scales.
 struct LaneData {
-  Payload p;
+  uint4 raw[2];
   float scale, pre;
 };
 
-__device__ __forceinline__ LaneData load_message(const uint8_t* payload, long long groups, long long first) {
+__device__ __forceinline__ LaneData load_message(const uint8_t* payload, long long groups, long long item_first,
+                                                 bool whole, int lane) {
   LaneData d{};
-  const long long group = first / G;
+  const long long group = (item_first + lane * E) / G;
   d.scale = 1.0f;
   d.pre = 1.0f;
+  if (whole) {
+    const uint4* src = reinterpret_cast<const uint4*>(payload + item_first);
+    d.raw[0] = src[lane];
+    d.raw[1] = src[32 + lane];
+  } else if (group < groups) {
+    const uint4* src = reinterpret_cast<const uint4*>(payload + item_first + lane * E);
+    d.raw[0] = src[0];
+    d.raw[1] = src[1];
+  }
   if (group < groups) {
-    const uint4* src = reinterpret_cast<const uint4*>(payload + first);
-    const uint4 a = src[0], b = src[1];
-    d.p = Payload{{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
     const float* scales = reinterpret_cast<const float*>(payload + groups * G);
     d.scale = scales[group];
 #if TACO_DUAL
@@ -336,34 +391,58 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
 // out + p * out_stride for p < n_src, warps interleaving the messages (consecutive warps read
 // different ranks: every link busy at once). SUM == true: out = the FP32 sum of the TACO_NSRC
 // messages' decompressions in order (the first not added to zero, as the reference's), cast once;
-// the next message's bytes are loaded while the current one is decompressed.
-// vec: out and out_stride allow 16-byte stores.
+// the next message's bytes are loaded while the current one is decompressed. Whole items move
+// through the warp's shared stage (coalesced loads and stores). vec: out and out_stride allow
+// 16-byte stores.
 template <bool SUM>
 __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, long long numel, void* out_,
                                                  long long out_stride, int vec) {
   using T = typename Storage<TACO_OUT>::T;
+  constexpr int OUT_BYTES = E * sizeof(T);  // a lane's output bytes
+  __shared__ __align__(16) uint8_t stage[8][32 * OUT_BYTES];
   T* out = static_cast<T*>(out_);
   const int lane = threadIdx.x & 31;
+  uint8_t* my_stage = stage[threadIdx.x / 32];
   const long long groups = (numel + G - 1) / G;
   const long long per_message = (numel + ITEM - 1) / ITEM;
   const long long items = SUM ? per_message : per_message * n_src;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
     const int p0 = SUM ? 0 : (int)(item % n_src);
-    const long long first = (SUM ? item : item / n_src) * ITEM + lane * E;
+    const long long item_first = (SUM ? item : item / n_src) * ITEM;
+    const long long first = item_first + lane * E;
+    const bool whole = item_first + ITEM <= groups * G;  // warp-uniform
     float acc[E];
-    LaneData cur = load_message(reinterpret_cast<const uint8_t*>(src.ptr[p0]), groups, first);
+    LaneData cur = load_message(reinterpret_cast<const uint8_t*>(src.ptr[p0]), groups, item_first, whole, lane);
 #pragma unroll 1
     for (int i = 0; i < (SUM ? TACO_NSRC : 1); ++i) {
       LaneData next{};
-      if (SUM && i + 1 < TACO_NSRC) next = load_message(reinterpret_cast<const uint8_t*>(src.ptr[i + 1]), groups, first);
+      if (SUM && i + 1 < TACO_NSRC)
+        next = load_message(reinterpret_cast<const uint8_t*>(src.ptr[i + 1]), groups, item_first, whole, lane);
+      uint4 mine[2] = {cur.raw[0], cur.raw[1]};
+      if (whole) unstage<E>(my_stage, cur.raw, mine, lane);
+      const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
       float v[E];
-      decompress_group(cur.p, cur.scale, cur.pre, lane, v);
+      decompress_group(p, cur.scale, cur.pre, lane, v);
 #pragma unroll
       for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
       cur = next;
     }
-    if (first / G < groups) store_lane<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride) + first, first, numel, vec, acc);
+    T* dst = out + (SUM ? 0 : p0 * out_stride);
+    if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
+      constexpr int N = 16 / sizeof(T);
+      uint4 pieces[OUT_BYTES / 16];
+#pragma unroll
+      for (int k = 0; k < OUT_BYTES / 16; ++k) {
+        Chunk<T> c;
+#pragma unroll
+        for (int r = 0; r < N; ++r) c.v[r] = from_float<TACO_OUT>(acc[k * N + r]);
+        pieces[k] = *reinterpret_cast<const uint4*>(&c);
+      }
+      store_staged<OUT_BYTES>(my_stage, pieces, reinterpret_cast<uint8_t*>(dst + item_first), lane);
+    } else if (first / G < groups) {
+      store_lane<TACO_OUT>(dst + first, first, numel, vec, acc);
+    }
   }
 }
 
