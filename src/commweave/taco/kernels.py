@@ -10,7 +10,8 @@ Decompression is the inverse; `decompress_accumulate` adds into an FP32 accumula
 writing (what the compressed reduce-scatter / all-reduce need for their FP32 sums).
 
 Bit-exact with the torch reference (`quant.py`), by construction and checked by the tests:
-  * every division and square root is IEEE round-to-nearest (`div_rn`, `sqrt_rn`; Triton's plain
+  * every division (the per-group reciprocals of the scales, and the RMS's mean) and square root is
+    IEEE round-to-nearest (`div_rn`, `sqrt_rn`; Triton's plain
     `/` and `sqrt` are approximate on NVIDIA GPUs; the reference's sqrt is corrected to be exact,
     `quant._sqrt_rn`, since torch's CPU sqrt is not);
   * sums are pairwise in the reference's order (`quant._pairwise_sum`), maxima are exact;
@@ -91,6 +92,12 @@ def _pairwise_sum_rows(v, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constex
 
 
 @triton.jit
+def _reciprocal(s):
+    """quant._reciprocal: 1 / s, correctly rounded."""
+    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
 def _round_to_format(v, MANT: tl.constexpr, EMIN: tl.constexpr, MAGIC: tl.constexpr):
     """FP32 `v` rounded to nearest even onto the grid of a float format with MANT mantissa bits and
     smallest normal exponent EMIN (its subnormals included), still as FP32: the cast that follows is
@@ -119,7 +126,7 @@ def _quantize_rows(y, FP8_MAX: tl.constexpr, TINY: tl.constexpr, FP8: tl.constex
     """quant._quantize: per-row absmax scale to the FP8 maximum, FP8 payload."""
     absmax = tl.max(tl.abs(y), axis=1)
     scale = tl.where(absmax > 0, tl.maximum(tl.math.div_rn(absmax, FP8_MAX), TINY), 1.0)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -FP8_MAX), FP8_MAX)
+    q = tl.minimum(tl.maximum(y * _reciprocal(scale)[:, None], -FP8_MAX), FP8_MAX)
     if ROUND:
         q = _round_to_format(q, MANT, EMIN, MAGIC)
     return q.to(FP8), scale
@@ -152,11 +159,11 @@ def _compress_kernel(x_ptr, q_ptr, scale_ptr, pre_ptr, numel, n_groups,
         g = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
     if DUAL:  # quant._rms
         absmax = tl.max(tl.abs(g), axis=1)
-        safe = tl.where(absmax > 0, absmax, 1.0)
-        t = tl.math.div_rn(g, safe[:, None])
+        safe = tl.where(absmax > 0, tl.maximum(absmax, TINY), 1.0)
+        t = g * _reciprocal(safe)[:, None]
         rms = safe * tl.sqrt_rn(tl.math.div_rn(_pairwise_sum_rows(t * t, ROWS, G, LOG_G), G * 1.0))
-        pre = tl.where(rms > 0, rms, safe)
-        g = tl.math.div_rn(g, pre[:, None])
+        pre = tl.where(rms > 0, tl.maximum(rms, TINY), safe)
+        g = g * _reciprocal(pre)[:, None]
         tl.store(pre_ptr + rows, pre, mask=row_ok)
     FP8: tl.constexpr = q_ptr.dtype.element_ty
     if HADAMARD == 0:

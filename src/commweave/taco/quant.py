@@ -4,11 +4,15 @@ A tensor is flattened and cut into groups of G contiguous elements (G a power of
 Per group, with every option on (the TACO scheme):
 
     s1 = rms(x)                      pre-scale (FP32): the group to unit RMS
-    y  = H (x / s1)                  orthonormal fast Walsh-Hadamard transform, spreads outliers
+    y  = H (x * (1/s1))              orthonormal fast Walsh-Hadamard transform, spreads outliers
     s2 = absmax(y) / FP8_MAX         post-scale (FP32): the group's largest value to the FP8 maximum
-    q  = fp8(y / s2)                 payload, float8_e4m3fn or float8_e5m2
+    q  = fp8(y * (1/s2))             payload, float8_e4m3fn or float8_e5m2
 
 and decompression is x ~= s1 * H(s2 * q) (H is symmetric and orthonormal: its own inverse).
+Each scale is applied as a multiplication by its correctly rounded reciprocal (one division per
+group, none per element: the fused kernels' compress is bound by arithmetic, and a per-element
+IEEE division costs several instructions; the quotient differs by at most an ulp before the FP8
+rounding). Scales are floored at FP32's smallest normal, so every reciprocal is finite.
 
 Options, each switchable so its value can be measured (bench/taco_error_table.py):
   hadamard=False     no transform (y = x / s1)
@@ -62,6 +66,7 @@ FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.ite
 TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_GROUP, MAX_GROUP = 32, 512
 _SQRT_HALF = math.sqrt(0.5)
+_TINY = torch.finfo(torch.float32).smallest_normal
 Impl = Literal["reference", "triton"]
 
 
@@ -207,13 +212,19 @@ def _div_rn(a: torch.Tensor, divisor: float) -> torch.Tensor:
     return a / a.new_tensor(divisor)
 
 
+def _reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """1 / s, correctly rounded (a tensor divisor: the true division on every device)."""
+    return torch.ones_like(s) / s
+
+
 def _rms(g: torch.Tensor) -> torch.Tensor:
-    """Per-row RMS without overflow (|x| up to FP32 max) or underflow to zero for nonzero rows."""
+    """Per-row RMS without overflow (|x| up to FP32 max) or underflow to zero for nonzero rows,
+    floored at the smallest normal (so its reciprocal is finite); 1 for zero rows."""
     absmax = g.abs().amax(dim=1)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    rms = safe * _sqrt_rn(_div_rn(_pairwise_sum((g / safe[:, None]).square()), g.shape[1]))
-    # a row of tiny subnormals can round its RMS to zero: fall back to its absmax, and to 1 for zeros
-    return torch.where(rms > 0, rms, safe)
+    safe = torch.where(absmax > 0, absmax.clamp_min(_TINY), torch.ones_like(absmax))
+    rms = safe * _sqrt_rn(_div_rn(_pairwise_sum((g * _reciprocal(safe)[:, None]).square()), g.shape[1]))
+    # a row of tiny subnormals can round its RMS to zero: fall back to its (floored) absmax
+    return torch.where(rms > 0, rms.clamp_min(_TINY), safe)
 
 
 def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "reference") -> Compressed:
@@ -232,7 +243,7 @@ def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "refe
     pre = None
     if cfg.dual_scale:
         pre = _rms(g)
-        g = g / pre[:, None]
+        g = g * _reciprocal(pre)[:, None]
     if cfg.hadamard == "adaptive":
         q_t, s_t = _quantize(fwht(_saturating_cast(g, cfg.transform_input_dtype)), cfg)
         q_p, s_p = _quantize(g, cfg)
@@ -251,10 +262,9 @@ def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Te
     """Per-row absmax scale to the FP8 maximum, and the FP8 rows."""
     absmax = g.abs().amax(dim=1)
     scale = _div_rn(absmax, cfg.fp8_max)
-    tiny = torch.finfo(torch.float32).smallest_normal
     # zero groups: scale 1; groups so small that absmax/FP8_MAX underflows: the smallest normal
-    scale = torch.where(absmax > 0, scale.clamp_min(tiny), torch.ones_like(scale))
-    q = (g / scale[:, None]).clamp(-cfg.fp8_max, cfg.fp8_max).to(cfg.fp8_dtype)
+    scale = torch.where(absmax > 0, scale.clamp_min(_TINY), torch.ones_like(scale))
+    q = (g * _reciprocal(scale)[:, None]).clamp(-cfg.fp8_max, cfg.fp8_max).to(cfg.fp8_dtype)
     return q, scale
 
 

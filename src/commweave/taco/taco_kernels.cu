@@ -5,7 +5,8 @@
 // one warp instruction a clock per SM, bounded the one-warp-per-group layout).
 //
 // Bit for bit `commweave.taco.quant` (the torch reference), like the Triton kernels: every
-// division and square root is IEEE round-to-nearest (__fdiv_rn, __fsqrt_rn), every add and
+// division (per group: the scales' reciprocals, the RMS's mean) and square root is IEEE
+// round-to-nearest (__frcp_rn, __fdiv_rn, __fsqrt_rn), every add and
 // multiply is an explicit __fadd_rn / __fmul_rn (never contracted into an FMA), sums are pairwise in
 // the reference's order (element i + element i + half, half = G/2, G/4, .., 1: lanes first, then
 // registers), butterfly stage h pairs element i with i + h in the reference's order h = 1, 2, 4, ..
@@ -202,15 +203,16 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
 __device__ __forceinline__ float group_rms(const float (&v)[E]) {
   const float absmax = group_absmax(v);
-  const float safe = absmax > 0.0f ? absmax : 1.0f;
+  const float safe = absmax > 0.0f ? fmaxf(absmax, TINY) : 1.0f;
+  const float inv = __frcp_rn(safe);
   float s[E];
 #pragma unroll
   for (int r = 0; r < E; ++r) {
-    const float t = __fdiv_rn(v[r], safe);
+    const float t = __fmul_rn(v[r], inv);
     s[r] = __fmul_rn(t, t);
   }
   const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(group_pairwise_sum(s), (float)G)));
-  return rms > 0.0f ? rms : safe;
+  return rms > 0.0f ? fmaxf(rms, TINY) : safe;
 }
 
 __device__ __forceinline__ float fp8_value(uint8_t q) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, FP8_KIND))); }
@@ -220,12 +222,13 @@ __device__ __forceinline__ float fp8_value(uint8_t q) { return __half2float(__ha
 __device__ __forceinline__ float group_quantize(const float (&y)[E], Payload& q) {
   const float absmax = group_absmax(y);
   const float scale = absmax > 0.0f ? fmaxf(__fdiv_rn(absmax, FP8_MAX), TINY) : 1.0f;
+  const float inv = __frcp_rn(scale);
 #pragma unroll
   for (int k = 0; k < E / 4; ++k) {
     uint32_t word = 0;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float c = fminf(fmaxf(__fdiv_rn(y[4 * k + r], scale), -FP8_MAX), FP8_MAX);
+      const float c = fminf(fmaxf(__fmul_rn(y[4 * k + r], inv), -FP8_MAX), FP8_MAX);
       word |= (uint32_t)__nv_cvt_float_to_fp8(c, __NV_SATFINITE, FP8_KIND) << (8 * r);
     }
     q.w[k] = word;
@@ -248,8 +251,9 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
   pre = 1.0f;
 #if TACO_DUAL
   pre = group_rms(v);
+  const float inv_pre = __frcp_rn(pre);
 #pragma unroll
-  for (int r = 0; r < E; ++r) v[r] = __fdiv_rn(v[r], pre);
+  for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], inv_pre);
 #endif
 #if TACO_HADAMARD == 0
   scale = group_quantize(v, q);
