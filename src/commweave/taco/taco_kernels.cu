@@ -394,15 +394,16 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
 // Decompress packed messages of `numel` elements each. SUM == false (gather): message p to
 // out + p * out_stride for p < n_src, warps interleaving the messages (consecutive warps read
 // different ranks: every link busy at once). SUM == true: out = the FP32 sum of the TACO_NSRC
-// messages' decompressions in order (the first not added to zero, as the reference's), cast once;
-// the next message's bytes are loaded while the current one is decompressed. Whole items move
-// through the warp's shared stage (coalesced loads and stores). vec: out and out_stride allow
-// 16-byte stores.
+// messages' decompressions in order (the first not added to zero, as the reference's), cast once.
+// A warp walks its (item, message) steps with the next step's bytes loaded while the current one
+// is decompressed; whole items move through the warp's shared stage (coalesced loads and stores).
+// vec: out and out_stride allow 16-byte stores.
 template <bool SUM>
 __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, long long numel, void* out_,
                                                  long long out_stride, int vec) {
   using T = typename Storage<TACO_OUT>::T;
   constexpr int OUT_BYTES = E * sizeof(T);  // a lane's output bytes
+  constexpr int STEPS = SUM ? TACO_NSRC : 1;  // messages per item
   __shared__ __align__(16) uint8_t stage[8][32 * OUT_BYTES];
   T* out = static_cast<T*>(out_);
   const int lane = threadIdx.x & 31;
@@ -411,42 +412,54 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   const long long per_message = (numel + ITEM - 1) / ITEM;
   const long long items = SUM ? per_message : per_message * n_src;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
+  // step (item, i): message p = SUM ? i : item % n_src, elements from (SUM ? item : item / n_src) * ITEM
+  auto fetch = [&](long long item, int i) {
+    const int p = SUM ? i : (int)(item % n_src);
+    const long long item_first = (SUM ? item : item / n_src) * ITEM;
+    return load_message(reinterpret_cast<const uint8_t*>(src.ptr[p]), groups, item_first,
+                        item_first + ITEM <= groups * G, lane);
+  };
+  long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32;
+  int i = 0;
+  LaneData cur{};
+  if (item < items) cur = fetch(item, 0);
+  float acc[E];
+#pragma unroll 1
+  while (item < items) {
+    const long long next_item = i + 1 < STEPS ? item : item + warps;
+    const int next_i = i + 1 < STEPS ? i + 1 : 0;
+    LaneData next{};
+    if (next_item < items) next = fetch(next_item, next_i);
     const int p0 = SUM ? 0 : (int)(item % n_src);
     const long long item_first = (SUM ? item : item / n_src) * ITEM;
     const long long first = item_first + lane * E;
-    const bool whole = item_first + ITEM <= groups * G;  // warp-uniform
-    float acc[E];
-    LaneData cur = load_message(reinterpret_cast<const uint8_t*>(src.ptr[p0]), groups, item_first, whole, lane);
-#pragma unroll 1
-    for (int i = 0; i < (SUM ? TACO_NSRC : 1); ++i) {
-      LaneData next{};
-      if (SUM && i + 1 < TACO_NSRC)
-        next = load_message(reinterpret_cast<const uint8_t*>(src.ptr[i + 1]), groups, item_first, whole, lane);
-      uint4 mine[2] = {cur.raw[0], cur.raw[1]};
-      if (whole) unstage<E>(my_stage, cur.raw, mine, lane);
-      const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
-      float v[E];
-      decompress_group(p, cur.scale, cur.pre, lane, v);
+    uint4 mine[2] = {cur.raw[0], cur.raw[1]};
+    if (item_first + ITEM <= groups * G) unstage<E>(my_stage, cur.raw, mine, lane);  // warp-uniform
+    const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
+    float v[E];
+    decompress_group(p, cur.scale, cur.pre, lane, v);
 #pragma unroll
-      for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
-      cur = next;
-    }
-    T* dst = out + (SUM ? 0 : p0 * out_stride);
-    if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
-      constexpr int N = 16 / sizeof(T);
-      uint4 pieces[OUT_BYTES / 16];
+    for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
+    if (i == STEPS - 1) {
+      T* dst = out + (SUM ? 0 : p0 * out_stride);
+      if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
+        constexpr int N = 16 / sizeof(T);
+        uint4 pieces[OUT_BYTES / 16];
 #pragma unroll
-      for (int k = 0; k < OUT_BYTES / 16; ++k) {
-        Chunk<T> c;
+        for (int k = 0; k < OUT_BYTES / 16; ++k) {
+          Chunk<T> c;
 #pragma unroll
-        for (int r = 0; r < N; ++r) c.v[r] = from_float<TACO_OUT>(acc[k * N + r]);
-        pieces[k] = *reinterpret_cast<const uint4*>(&c);
+          for (int r = 0; r < N; ++r) c.v[r] = from_float<TACO_OUT>(acc[k * N + r]);
+          pieces[k] = *reinterpret_cast<const uint4*>(&c);
+        }
+        store_staged<OUT_BYTES>(my_stage, pieces, reinterpret_cast<uint8_t*>(dst + item_first), lane);
+      } else if (first / G < groups) {
+        store_lane<TACO_OUT>(dst + first, first, numel, vec, acc);
       }
-      store_staged<OUT_BYTES>(my_stage, pieces, reinterpret_cast<uint8_t*>(dst + item_first), lane);
-    } else if (first / G < groups) {
-      store_lane<TACO_OUT>(dst + first, first, numel, vec, acc);
     }
+    item = next_item;
+    i = next_i;
+    cur = next;
   }
 }
 
