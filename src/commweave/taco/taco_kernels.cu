@@ -191,11 +191,12 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
       }
 #pragma unroll
   for (int k = 1; k < LANES; k <<= 1) {  // stage h = 32 k: lanes k apart
-    const bool upper = lane & k;
+    // lower lane: a + b = own + other; upper lane: a - b = other + (-own), exactly (IEEE)
+    const uint32_t flip = (lane & k) ? 0x80000000u : 0u;
 #pragma unroll
     for (int r = 0; r < E; ++r) {
       const float other = __shfl_xor_sync(FULL, v[r], k);
-      v[r] = upper ? __fmul_rn(__fsub_rn(other, v[r]), SQRT_HALF) : __fmul_rn(__fadd_rn(v[r], other), SQRT_HALF);
+      v[r] = __fmul_rn(__fadd_rn(other, __uint_as_float(__float_as_uint(v[r]) ^ flip)), SQRT_HALF);
     }
   }
 }
@@ -291,7 +292,12 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
 __device__ __forceinline__ void decompress_group(const Payload& p, float scale, float pre, int lane, float (&v)[E]) {
   const float s = TACO_HADAMARD == 2 ? fabsf(scale) : scale;
 #pragma unroll
-  for (int r = 0; r < E; ++r) v[r] = __fmul_rn(fp8_value(payload_byte(p, r)), s);
+  for (int r = 0; r < E; r += 2) {  // two FP8 values a conversion
+    const __half2 h(__nv_cvt_fp8x2_to_halfraw2((p.w[r / 4] >> (8 * (r % 4))) & 0xffff, FP8_KIND));
+    const float2 f = __half22float2(h);
+    v[r] = __fmul_rn(f.x, s);
+    v[r + 1] = __fmul_rn(f.y, s);
+  }
 #if TACO_HADAMARD == 1
   group_fwht(v, lane);
 #elif TACO_HADAMARD == 2
