@@ -130,7 +130,7 @@ def _precompile(configs: list[QuantConfig], sums: int) -> None:
 def _inputs(cfg: QuantConfig) -> list[torch.Tensor]:
     x = gaussian((37, 129), seed=1)  # ragged: the last group padded
     edges = edge_inputs()
-    if cfg.hadamard and not cfg.dual_scale:  # single scale + transform: finite only for |x| <= FP32_MAX / sqrt(G)
+    if cfg.hadamard and not cfg.dual_scale:  # single scale + transform: finite only for |x| <= FP32_MAX / G
         edges = edges[: 5 * 2048]
     return [x, x.bfloat16(), x.half(), edges, torch.randn(3, 5000) * 3]
 

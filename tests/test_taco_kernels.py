@@ -120,7 +120,7 @@ def _job_edges(group_size: int, fmt: str) -> None:
     x = edge_inputs()
     for hadamard, dual, cast in itertools.product(HADAMARD, [False, True], [torch.float32, torch.float16, torch.bfloat16]):
         cfg = QuantConfig(group_size, fmt, hadamard=hadamard, dual_scale=dual, transform_input_dtype=cast)
-        # single scale + transform: finite only for |x| <= FP32_MAX / sqrt(G) (quant.py), the reference too
+        # single scale + transform: finite only for |x| <= FP32_MAX / G (quant.py), the reference too
         piece = x[: 5 * 2048] if hadamard and not dual else x
         _check_against_reference(piece, cfg)
         out = kernels.decompress(kernels.compress(piece, cfg))
@@ -291,7 +291,7 @@ def test_kernels_compile_for_sm90_with_exact_arithmetic():
     from triton.compiler import ASTSource
 
     cfg = QuantConfig(128, "e4m3")
-    common = dict(G=128, LOG_G=7, ROWS=16, DUAL=True, HADAMARD=1, ROUND=False)
+    common = dict(G=128, LOG_G=7, FWHT_SCALE=1 / math.sqrt(128), ROWS=16, DUAL=True, HADAMARD=1, ROUND=False)
     compress_consts = dict(common, FP8_MAX=cfg.fp8_max, TINY=kernels._TINY, CAST=0, CAST_MAX=0.0,
                            **kernels._format_args(torch.float8_e4m3fn, "Q"), **kernels._format_args(torch.float32, "C"),
                            IN_BF16=True)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +35,11 @@ MIN_BLOCKS_PER_SM = 2  # register budget: this many blocks of THREADS resident p
 _GRID_BLOCKS_PER_SM = 8  # grid size cap; warps loop over the remaining work
 
 
+def _fp32_literal(value: float) -> str:
+    """`value` rounded to FP32 as quant.py's float32 arithmetic rounds it, as an exact C literal."""
+    return struct.unpack("<f", struct.pack("<f", value))[0].hex() + "f"
+
+
 @functools.lru_cache(maxsize=None)
 def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> str:
     """The source for one specialization: the macros the .cu expects, then the .cu (cached: a launch
@@ -44,7 +51,8 @@ def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> s
     code = DTYPE_CODE[io_dtype]
     macros = {"TACO_G": cfg.group_size, "TACO_FMT": _FMT_CODE[cfg.fmt], "TACO_HADAMARD": _HADAMARD_CODE[cfg.hadamard],
               "TACO_DUAL": int(cfg.dual_scale), "TACO_CAST": DTYPE_CODE[cfg.transform_input_dtype],
-              "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum, "TACO_MIN_BLOCKS": MIN_BLOCKS_PER_SM}
+              "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum, "TACO_MIN_BLOCKS": MIN_BLOCKS_PER_SM,
+              "TACO_FWHT_SCALE": _fp32_literal(1.0 / math.sqrt(cfg.group_size))}
     return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
 
 

@@ -4,7 +4,7 @@ One program handles ROWS groups of G contiguous elements (a [ROWS, G] FP32 tile 
 does in one pass what `quant.compress` does in several: load (any of FP32/FP16/BF16, zero padding
 past the end by masking), RMS pre-scale, optional 16-bit rounding of the transform's input,
 orthonormal fast Walsh-Hadamard transform as log2(G) butterfly stages (reshape/permute/split/join
-of the tile: the same additions in the same order as `quant.fwht`), absmax post-scale, FP8 cast;
+of the tile: the same additions in the same order as `quant.fwht`, then its one scaling), absmax post-scale, FP8 cast;
 `hadamard="adaptive"` quantizes both ways, dequantizes both and keeps the lower-L2 one per group.
 Decompression is the inverse; `decompress_accumulate` adds into an FP32 accumulator instead of
 writing (what the compressed reduce-scatter / all-reduce need for their FP32 sums).
@@ -72,14 +72,15 @@ def _format_args(dtype: torch.dtype, prefix: str) -> dict[str, float | int]:
 # -- device code: helpers are @triton.jit, inlined into the kernels ------------------------------
 
 @triton.jit
-def _fwht_rows(y, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
-    """quant.fwht on each row of a [ROWS, G] FP32 tile: stage h pairs element i with i + h."""
+def _fwht_rows(y, ROWS: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr, FWHT_SCALE: tl.constexpr):
+    """quant.fwht on each row of a [ROWS, G] FP32 tile: stage h pairs element i with i + h, unscaled;
+    then one multiplication by 1/sqrt(G)."""
     for s in tl.static_range(LOG_G):
         t = tl.permute(tl.reshape(y, (ROWS, G >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))  # pairs (i, i + 2^s)
         a, b = tl.split(t)
-        t = tl.join((a + b) * 0.7071067811865476, (a - b) * 0.7071067811865476)
+        t = tl.join(a + b, a - b)
         y = tl.reshape(tl.permute(t, (0, 1, 3, 2)), (ROWS, G))
-    return y
+    return y * FWHT_SCALE
 
 
 @triton.jit
@@ -144,7 +145,7 @@ def _cast_round_trip(v, DTYPE: tl.constexpr, ROUND: tl.constexpr, MANT: tl.const
 
 @triton.jit
 def _compress_kernel(x_ptr, q_ptr, scale_ptr, pre_ptr, numel, n_groups,
-                     G: tl.constexpr, LOG_G: tl.constexpr, ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
+                     G: tl.constexpr, LOG_G: tl.constexpr, FWHT_SCALE: tl.constexpr, ROWS: tl.constexpr, FP8_MAX: tl.constexpr,
                      TINY: tl.constexpr, DUAL: tl.constexpr, HADAMARD: tl.constexpr, CAST: tl.constexpr,
                      CAST_MAX: tl.constexpr, ROUND: tl.constexpr, Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr,
                      Q_MAGIC: tl.constexpr, C_MANT: tl.constexpr, C_EMIN: tl.constexpr, C_MAGIC: tl.constexpr,
@@ -176,11 +177,11 @@ def _compress_kernel(x_ptr, q_ptr, scale_ptr, pre_ptr, numel, n_groups,
         if CAST == 2:
             h_in = _cast_round_trip(tl.minimum(tl.maximum(g, -CAST_MAX), CAST_MAX), tl.bfloat16, ROUND, C_MANT,
                                     C_EMIN, C_MAGIC)
-        q, scale = _quantize_rows(_fwht_rows(h_in, ROWS, G, LOG_G), FP8_MAX, TINY, FP8, ROUND, Q_MANT, Q_EMIN,
+        q, scale = _quantize_rows(_fwht_rows(h_in, ROWS, G, LOG_G, FWHT_SCALE), FP8_MAX, TINY, FP8, ROUND, Q_MANT, Q_EMIN,
                                   Q_MAGIC)
         if HADAMARD == 2:  # per group the lower L2 error of transformed / plain; flag: negative scale
             q_p, s_p = _quantize_rows(g, FP8_MAX, TINY, FP8, ROUND, Q_MANT, Q_EMIN, Q_MAGIC)
-            d_t = _fwht_rows(q.to(tl.float32) * scale[:, None], ROWS, G, LOG_G) - g
+            d_t = _fwht_rows(q.to(tl.float32) * scale[:, None], ROWS, G, LOG_G, FWHT_SCALE) - g
             d_p = q_p.to(tl.float32) * s_p[:, None] - g
             use_t = _pairwise_sum_rows(d_t * d_t, ROWS, G, LOG_G) < _pairwise_sum_rows(d_p * d_p, ROWS, G, LOG_G)
             q = tl.where(use_t[:, None], q, q_p)
@@ -191,7 +192,7 @@ def _compress_kernel(x_ptr, q_ptr, scale_ptr, pre_ptr, numel, n_groups,
 
 @triton.jit
 def _decompress_kernel(q_ptr, scale_ptr, pre_ptr, out_ptr, numel, n_groups,
-                       G: tl.constexpr, LOG_G: tl.constexpr, ROWS: tl.constexpr, DUAL: tl.constexpr,
+                       G: tl.constexpr, LOG_G: tl.constexpr, FWHT_SCALE: tl.constexpr, ROWS: tl.constexpr, DUAL: tl.constexpr,
                        HADAMARD: tl.constexpr, ACCUMULATE: tl.constexpr, ROUND: tl.constexpr,
                        O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_MAGIC: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -201,9 +202,9 @@ def _decompress_kernel(q_ptr, scale_ptr, pre_ptr, out_ptr, numel, n_groups,
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=1.0)
     if HADAMARD == 2:  # quant.decompress: a negative scale marks a transformed group
         g = q * tl.abs(scale)[:, None]
-        g = tl.where((scale < 0)[:, None], _fwht_rows(g, ROWS, G, LOG_G), g)
+        g = tl.where((scale < 0)[:, None], _fwht_rows(g, ROWS, G, LOG_G, FWHT_SCALE), g)
     elif HADAMARD == 1:
-        g = _fwht_rows(q * scale[:, None], ROWS, G, LOG_G)
+        g = _fwht_rows(q * scale[:, None], ROWS, G, LOG_G, FWHT_SCALE)
     else:
         g = q * scale[:, None]
     if DUAL:
@@ -280,7 +281,7 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, round_in
     with _on(x.device):
         _compress_kernel[(triton.cdiv(n_groups, rows),)](
             x.contiguous(), payload, scale, scale if pre is None else pre, numel, n_groups,
-            G=cfg.group_size, LOG_G=cfg.group_size.bit_length() - 1, ROWS=rows, FP8_MAX=cfg.fp8_max, TINY=_TINY,
+            G=cfg.group_size, LOG_G=cfg.group_size.bit_length() - 1, FWHT_SCALE=1.0 / math.sqrt(cfg.group_size), ROWS=rows, FP8_MAX=cfg.fp8_max, TINY=_TINY,
             DUAL=cfg.dual_scale, HADAMARD=_HADAMARD_CODE[cfg.hadamard], CAST=_CAST_CODE[cast],
             CAST_MAX=float(torch.finfo(cast).max), ROUND=_round_in_fp32(x.device, round_in_fp32),
             **_format_args(cfg.fp8_dtype, "Q"), **_format_args(cast, "C"), IN_BF16=x.dtype == torch.bfloat16,
@@ -319,7 +320,7 @@ def _launch_decompress(c: Compressed, out: torch.Tensor, accumulate: bool, round
     with _on(out.device):
         _decompress_kernel[(triton.cdiv(n_groups, rows),)](
             c.payload.contiguous(), scale, pre, out, c.numel, n_groups,
-            G=cfg.group_size, LOG_G=cfg.group_size.bit_length() - 1, ROWS=rows, DUAL=cfg.dual_scale,
+            G=cfg.group_size, LOG_G=cfg.group_size.bit_length() - 1, FWHT_SCALE=1.0 / math.sqrt(cfg.group_size), ROWS=rows, DUAL=cfg.dual_scale,
             HADAMARD=_HADAMARD_CODE[cfg.hadamard], ACCUMULATE=accumulate,
             ROUND=_round_in_fp32(out.device, round_in_fp32), **_format_args(out.dtype, "O"),
             enable_fp_fusion=False)

@@ -39,8 +39,8 @@ Sizes that are not a multiple of G: with pad=True (default) the flattened tensor
 zeros to the next multiple of G (the padding is part of the payload and dropped on decompress);
 with pad=False a ValueError is raised. Zero groups get scales of 1 (payload zeros), so zeros,
 constants, FP32 subnormals and huge finite outliers never produce NaN or Inf: with dual scales for
-every finite FP32 input; with a single scale and the transform on, for |x| <= FP32_MAX / sqrt(G)
-(about 1.5e37 at G=512: the transform sees the raw values). Non-finite inputs are not supported
+every finite FP32 input; with a single scale and the transform on, for |x| <= FP32_MAX / G
+(about 6.6e35 at G=512: the transform sees the raw values). Non-finite inputs are not supported
 (they propagate).
 
 Sums (the RMS's sum of squares, the adaptive mode's L2 errors) are pairwise in a fixed order
@@ -65,7 +65,6 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}
 TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_GROUP, MAX_GROUP = 32, 512
-_SQRT_HALF = math.sqrt(0.5)
 _TINY = torch.finfo(torch.float32).smallest_normal
 Impl = Literal["reference", "triton"]
 
@@ -148,9 +147,11 @@ class Compressed:
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal fast Walsh-Hadamard transform over the last dimension (a power of two).
 
-    Sylvester ordering, scaled by 1/sqrt(2) at each of the log2(n) butterfly stages (1/sqrt(n) in
-    all): orthogonal, symmetric, hence its own inverse. Per-stage scaling bounds intermediate
-    growth by sqrt(n), so FP32 inputs up to FP32_MAX / sqrt(n) cannot overflow."""
+    Sylvester ordering: log2(n) unscaled butterfly stages (a + b, a - b), then one multiplication
+    by 1/sqrt(n) (rounded to x's dtype): orthogonal, symmetric, hence its own inverse. One scaling
+    instead of one per stage: half the arithmetic of the fused kernels' transform, which bounds
+    their compression. Intermediates grow by up to n, so FP32 inputs up to FP32_MAX / n cannot
+    overflow."""
     n = x.shape[-1]
     if n < 1 or n & (n - 1):
         raise ValueError(f"the last dimension must be a power of two, got {n}")
@@ -160,9 +161,9 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     while h < n:
         y = y.view(-1, n // (2 * h), 2, h)
         a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((a + b, a - b), dim=2) * _SQRT_HALF
+        y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return y.reshape(*lead, n)
+    return (y * (1.0 / math.sqrt(n))).reshape(*lead, n)
 
 
 def _saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

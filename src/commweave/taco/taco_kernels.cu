@@ -23,6 +23,7 @@
 //   TACO_OUT       decompress output 0: FP32, 1: FP16, 2: BF16
 //   TACO_NSRC      messages the summing decompress adds (1..8)
 //   TACO_MIN_BLOCKS  blocks of 256 threads per SM the register budget must allow
+//   TACO_FWHT_SCALE  1/sqrt(G) rounded to FP32 (a hex literal)
 //
 // Packed layout of one message (`quant.pack`): FP8 payload [groups * G] bytes, FP32 post-scales
 // [groups], FP32 pre-scales [groups] when TACO_DUAL. A work item is 1024 consecutive elements of one
@@ -37,7 +38,7 @@ constexpr int E = 32;                        // elements per lane
 constexpr int LANES = G / E;                 // lanes per group
 constexpr int ITEM = 32 * E;                 // elements per warp and work item
 constexpr unsigned FULL = 0xffffffffu;
-constexpr float SQRT_HALF = 0.7071067811865476f;
+constexpr float FWHT_SCALE = TACO_FWHT_SCALE;  // 1/sqrt(G) rounded to FP32, as quant.fwht's
 constexpr float TINY = 1.17549435e-38f;      // FP32's smallest normal
 #if TACO_FMT == 0
 constexpr float FP8_MAX = 448.0f;
@@ -178,7 +179,7 @@ __device__ __forceinline__ float group_pairwise_sum(float (&s)[E]) {
   return s[0];
 }
 
-// quant.fwht: stage h pairs i and i + h, h = 1, 2, ..; (a + b) * c and (a - b) * c, c = sqrt(1/2).
+// quant.fwht: stage h pairs i and i + h, h = 1, 2, ..: a + b and a - b; then one scaling by 1/sqrt(G).
 __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
 #pragma unroll
   for (int h = 1; h < E; h <<= 1)
@@ -186,8 +187,8 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
     for (int r = 0; r < E; ++r)
       if (!(r & h)) {
         const float a = v[r], b = v[r + h];
-        v[r] = __fmul_rn(__fadd_rn(a, b), SQRT_HALF);
-        v[r + h] = __fmul_rn(__fsub_rn(a, b), SQRT_HALF);
+        v[r] = __fadd_rn(a, b);
+        v[r + h] = __fsub_rn(a, b);
       }
 #pragma unroll
   for (int k = 1; k < LANES; k <<= 1) {  // stage h = 32 k: lanes k apart
@@ -196,9 +197,11 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
 #pragma unroll
     for (int r = 0; r < E; ++r) {
       const float other = __shfl_xor_sync(FULL, v[r], k);
-      v[r] = __fmul_rn(__fadd_rn(other, __uint_as_float(__float_as_uint(v[r]) ^ flip)), SQRT_HALF);
+      v[r] = __fadd_rn(other, __uint_as_float(__float_as_uint(v[r]) ^ flip));
     }
   }
+#pragma unroll
+  for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], FWHT_SCALE);
 }
 
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
@@ -229,8 +232,8 @@ __device__ __forceinline__ float group_quantize(const float (&y)[E], Payload& q)
     uint32_t word = 0;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float c = fminf(fmaxf(__fmul_rn(y[4 * k + r], inv), -FP8_MAX), FP8_MAX);
-      word |= (uint32_t)__nv_cvt_float_to_fp8(c, __NV_SATFINITE, FP8_KIND) << (8 * r);
+      // the reference clamps to +-FP8_MAX, then rounds: satfinite rounds and saturates to the same
+      word |= (uint32_t)__nv_cvt_float_to_fp8(__fmul_rn(y[4 * k + r], inv), __NV_SATFINITE, FP8_KIND) << (8 * r);
     }
     q.w[k] = word;
   }
