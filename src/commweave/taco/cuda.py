@@ -31,8 +31,16 @@ _FMT_CODE = {"e4m3": 0, "e5m2": 1}
 _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
 MAX_SOURCES = 8  # `Sources` in the .cu
 THREADS = 256
-MIN_BLOCKS_PER_SM = 2  # register budget: this many blocks of THREADS resident per SM (no spills at 2)
+# register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
+# fewer registers; the largest without spills at the defaults, bench/probe_taco_kernels.py)
+MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 4, "sum": 2}
 _GRID_BLOCKS_PER_SM = 8  # grid size cap; warps loop over the remaining work
+
+
+def _min_blocks(kernel: str, cfg: QuantConfig) -> int:
+    """A kernel's register budget; adaptive decompression holds both transforms' values (spills
+    above 2 blocks)."""
+    return min(2, MIN_BLOCKS_PER_SM[kernel]) if cfg.hadamard == "adaptive" else MIN_BLOCKS_PER_SM[kernel]
 
 
 def _fp32_literal(value: float) -> str:
@@ -51,7 +59,8 @@ def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> s
     code = DTYPE_CODE[io_dtype]
     macros = {"TACO_G": cfg.group_size, "TACO_FMT": _FMT_CODE[cfg.fmt], "TACO_HADAMARD": _HADAMARD_CODE[cfg.hadamard],
               "TACO_DUAL": int(cfg.dual_scale), "TACO_CAST": DTYPE_CODE[cfg.transform_input_dtype],
-              "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum, "TACO_MIN_BLOCKS": MIN_BLOCKS_PER_SM,
+              "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum,
+              **{f"TACO_MIN_BLOCKS_{k.upper()}": _min_blocks(k, cfg) for k in MIN_BLOCKS_PER_SM},
               "TACO_FWHT_SCALE": _fp32_literal(1.0 / math.sqrt(cfg.group_size))}
     return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
 

@@ -22,7 +22,7 @@
 //   TACO_IN        compress input  0: FP32, 1: FP16, 2: BF16
 //   TACO_OUT       decompress output 0: FP32, 1: FP16, 2: BF16
 //   TACO_NSRC      messages the summing decompress adds (1..8)
-//   TACO_MIN_BLOCKS  blocks of 256 threads per SM the register budget must allow
+//   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks of 256 threads per SM each kernel's registers allow
 //   TACO_FWHT_SCALE  1/sqrt(G) rounded to FP32 (a hex literal)
 //
 // Packed layout of one message (`quant.pack`): FP8 payload [groups * G] bytes, FP32 post-scales
@@ -327,7 +327,7 @@ struct Sources {
 
 // Compress `segments` messages of `numel` elements each, message s at x + s * x_stride, into packed
 // message s at buf + s * buf_stride (16-byte aligned). vec: x and x_stride allow 16-byte loads.
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride, int vec) {
   using T = typename Storage<TACO_IN>::T;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
@@ -472,12 +472,12 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_GATHER)
 taco_gather(const __grid_constant__ Sources src, int n_src, long long numel, void* out, long long out_stride, int vec) {
   decompress_items<false>(src, n_src, numel, out, out_stride, vec);
 }
 
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_SUM)
 taco_sum(const __grid_constant__ Sources src, long long numel, void* out, int vec) {
   decompress_items<true>(src, TACO_NSRC, numel, out, 0, vec);
 }
