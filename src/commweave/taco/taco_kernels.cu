@@ -192,12 +192,13 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
       }
 #pragma unroll
   for (int k = 1; k < LANES; k <<= 1) {  // stage h = 32 k: lanes k apart
-    // lower lane: a + b = own + other; upper lane: a - b = other + (-own), exactly (IEEE)
-    const uint32_t flip = (lane & k) ? 0x80000000u : 0u;
+    // lower lane: a + b = other + own; upper lane: a - b = other - own. One FMA with sign = +-1: the
+    // product is exact, so it rounds once, as the addition does (signed zeros alike)
+    const float sign = (lane & k) ? -1.0f : 1.0f;
 #pragma unroll
     for (int r = 0; r < E; ++r) {
       const float other = __shfl_xor_sync(FULL, v[r], k);
-      v[r] = __fadd_rn(other, __uint_as_float(__float_as_uint(v[r]) ^ flip));
+      v[r] = __fmaf_rn(sign, v[r], other);
     }
   }
 #pragma unroll
