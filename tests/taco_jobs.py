@@ -394,3 +394,33 @@ def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:
     ref, _ = simulate(world, body)
     return [f"rank {r} case {i} {c}" for r in range(world) for i, c in enumerate(cases)
             if not same_bits(kernel[r][i], ref[r][i])]
+
+
+def selecting_backend_vs_direct(ctx) -> dict:
+    """Backend "auto" over gloo (the host reference as its compressed backend): each call equals the
+    compressed reference result where the selector chose compression (and the algorithm it chose),
+    the plain torch result elsewhere."""
+    from commweave.taco.selector import Selector, use_measurements
+
+    world, rank = ctx.world_size, ctx.rank
+    mib = 1 << 20
+    rows = [{"op": "all_gather", "mib": 0.004, "world": world, "cuda_speedup": 1.3},
+            {"op": "reduce_scatter", "mib": 0.004, "world": world, "cuda_speedup": 0.8},
+            {"op": "all_reduce_one_shot", "mib": 0.004, "world": world, "cuda_speedup": 1.2},
+            {"op": "all_reduce_two_shot", "mib": 0.004, "world": world, "cuda_speedup": 1.1},
+            {"op": "all_reduce_one_shot", "mib": 0.01, "world": world, "cuda_speedup": 1.1},
+            {"op": "all_reduce_two_shot", "mib": 0.01, "world": world, "cuda_speedup": 1.4}]
+    use_measurements(Selector.from_rows(rows), compressed="reference")
+    cfg = QuantConfig()
+    out = {}
+    small = _inputs(5, world, (1, 128))[rank]  # 512 B of FP32 per rank: below every measured size
+    x = _inputs(6, world, (8, 512))[rank]  # 16 KiB: all-reduce two-shot, all-gather compressed
+    assert x.numel() * 4 >= 0.01 * mib and small.numel() * 4 * world < 0.004 * mib
+    out["ag"] = torch.equal(cc.all_gather(x, cfg, backend="auto"), cc.all_gather(x, cfg, backend="reference"))
+    out["ag_compressed"] = not torch.equal(cc.all_gather(x, cfg, backend="auto"), cc.all_gather(x))
+    out["ag_small_plain"] = torch.equal(cc.all_gather(small, cfg, backend="auto"), cc.all_gather(small))
+    out["rs_plain"] = torch.equal(cc.reduce_scatter(x, cfg, backend="auto"), cc.reduce_scatter(x))
+    out["ar_two_shot"] = torch.equal(cc.all_reduce(x, cfg, "one_shot", backend="auto"),
+                                     cc.all_reduce(x, cfg, "two_shot", backend="reference"))
+    out["ar_small_plain"] = torch.equal(cc.all_reduce(small, cfg, backend="auto"), cc.all_reduce(small))
+    return out

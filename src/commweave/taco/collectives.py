@@ -111,6 +111,9 @@ def _backend(name: str) -> CollectiveBackend:
     try:
         return _BACKENDS[name]
     except KeyError:
+        if name == "auto":
+            raise ValueError("backend 'auto' chooses from measurements: register them first with "
+                             "commweave.taco.selector.use_measurements(<bench/taco_bandwidth.py results JSON>)") from None
         raise ValueError(f"unknown backend {name!r}; registered: {sorted(_BACKENDS)}") from None
 
 
