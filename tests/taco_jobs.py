@@ -250,19 +250,21 @@ class TracingCodec:
     def __init__(self, codec: Any, transport: FakeTransport):
         self.codec, self.t = codec, transport
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
+                      skip: int | None = None) -> None:
         self.t.node.log("write", self.t.rank, buf, self.t.epoch)
-        self.codec.compress_into(x, cfg, buf, segments)
+        self.codec.compress_into(x, cfg, buf, segments, skip)
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         for c in cs:
             self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
         self.codec.gather_into(cs, out)
 
-    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
-        for c in cs:
-            self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
-        self.codec.sum_into(cs, out)
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
+        for c in parts:
+            if isinstance(c, Compressed):
+                self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+        self.codec.sum_into(parts, out)
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
@@ -369,17 +371,18 @@ class SerializedCodec:
     def __init__(self, codec: Any):
         self.codec = codec
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
+                      skip: int | None = None) -> None:
         with self._lock:
-            self.codec.compress_into(x, cfg, buf, segments)
+            self.codec.compress_into(x, cfg, buf, segments, skip)
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         with self._lock:
             self.codec.gather_into(cs, out)
 
-    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
         with self._lock:
-            self.codec.sum_into(cs, out)
+            self.codec.sum_into(parts, out)
 
 
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:

@@ -84,6 +84,8 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.compress_into(x.double(), cfg, buf)
     with pytest.raises(ValueError, match="3 equal chunks"):
         cuda.compress_into(x, cfg, buf, segments=3)
+    with pytest.raises(ValueError, match=r"skip must be a chunk index in 0..1"):
+        cuda.compress_into(x, cfg, torch.empty(2 * cfg.packed_stride(512), dtype=torch.uint8), segments=2, skip=2)
     with pytest.raises(ValueError, match="uint8 tensor of 1088 bytes for 2 message"):
         cuda.compress_into(x, cfg, buf[:-4], segments=2)
     with pytest.raises(ValueError, match="need CUDA tensors"):
@@ -97,6 +99,10 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.sum_into([packed, other], torch.empty(x.numel()))
     with pytest.raises(ValueError, match="1..8 messages"):
         cuda.sum_into([packed] * 9, torch.empty(x.numel()))
+    with pytest.raises(ValueError, match="at most one raw tensor"):
+        cuda.sum_into([packed, x, x], torch.empty(x.numel()))
+    with pytest.raises(ValueError, match="raw part must be a contiguous torch.float32 tensor of 1024 elements"):
+        cuda.sum_into([packed, x.half()], torch.empty(x.numel()))
     with pytest.raises(ValueError, match="out has 1024 elements, 2 messages of 1024 need 2048"):
         cuda.gather_into([packed, packed], torch.empty(x.numel()))
     with pytest.raises(TypeError, match="decompress to float32"):
@@ -169,13 +175,20 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
             got = cuda.sum_into(msgs, torch.empty(xs[0].shape, device=dev, dtype=dtype)).cpu()
             if not same_bits(got, total.to(dtype)):
                 failures.append(f"sum {cfg} -> {dtype}")
+            # a reduce-scatter's own chunk: a raw tensor of the output's dtype in the middle, added exactly
+            own = xs[1].to(dtype)
+            expect = quant.decompress(refs[0], torch.float32) + own.float() + quant.decompress(refs[2], torch.float32)
+            got = cuda.sum_into([msgs[0], own.to(dev), msgs[2]], torch.empty(xs[0].shape, device=dev, dtype=dtype)).cpu()
+            if not same_bits(got, expect.to(dtype)):
+                failures.append(f"sum with an own chunk {cfg} -> {dtype}")
         # segments: chunk q of x compressed into message q
         x = torch.randn(4, 1000, device=dev, dtype=torch.bfloat16)
         seg, wire = cfg.packed_stride(1000), cfg.wire_bytes(1000)
-        buf = cuda.compress_into(x, cfg, torch.empty(4 * seg, dtype=torch.uint8, device=dev), segments=4)
+        buf = cuda.compress_into(x, cfg, torch.full((4 * seg,), 7, dtype=torch.uint8, device=dev), segments=4, skip=2)
         for q in range(4):
-            if not torch.equal(buf[q * seg:q * seg + wire].cpu(), quant.pack(quant.compress(x[q].cpu(), cfg))):
-                failures.append(f"segment {q} {cfg}")
+            expect = quant.pack(quant.compress(x[q].cpu(), cfg)) if q != 2 else torch.full((wire,), 7, dtype=torch.uint8)
+            if not torch.equal(buf[q * seg:q * seg + wire].cpu(), expect):
+                failures.append(f"segment {q} {cfg} (2 skipped)")
     assert not failures, f"{len(failures)} mismatches: " + "; ".join(failures[:20])
 
 

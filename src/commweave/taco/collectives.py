@@ -3,11 +3,13 @@
 Every function takes `cfg`: a QuantConfig compresses the message (FP8 payload + FP32 scales per
 group, packed into one uint8 buffer per message, the layout a symmetric window would hold), None
 runs the plain torch collective. Reductions decompress every contribution and sum in FP32 in rank
-order, so all ranks get bit-identical results.
+order, so all ranks get bit-identical results; a reduce-scatter takes its own chunk exactly (it
+never crosses a link, and each rank's result is its own: nothing to keep identical across ranks).
 
   all_gather(x, cfg)            each rank's shard, concatenated along dim 0 (own shard included
                                 after its round trip, so every rank holds the same tensor)
   reduce_scatter(x, cfg)        x split along dim 0 into world chunks, chunk r summed onto rank r
+                                (rank r's own chunk exact, the others' after their round trip)
   all_reduce(x, cfg, "one_shot")  every rank reads all peers' compressed tensors, reduces in FP32
   all_reduce(x, cfg, "two_shot")  compressed reduce-scatter of the flattened groups, FP32 sum,
                                 requantize, compressed all-gather (two quantization steps)
@@ -66,13 +68,15 @@ class ReferenceBackend:
         return torch.cat([decompress(unpack(b, x.shape, x.dtype, cfg)) for b in bufs], dim=0)
 
     def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig, group: Any) -> torch.Tensor:
-        world, _ = _world(group)
+        world, rank = _world(group)
         _check_dim0(x, world, "reduce_scatter")
         chunks = x.chunk(world, dim=0)
         send = torch.cat([pack(compress(c, cfg)) for c in chunks])  # chunk r goes to rank r
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        return _sum_fp32([unpack(b, chunks[0].shape, x.dtype, cfg) for b in recv.chunk(world)], x.dtype)
+        parts: list[Compressed | torch.Tensor] = [unpack(b, chunks[0].shape, x.dtype, cfg) for b in recv.chunk(world)]
+        parts[rank] = chunks[rank]  # own chunk: exact (its compressed copy to itself is not used)
+        return _sum_fp32(parts, x.dtype)
 
     def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo, group: Any) -> torch.Tensor:
         if algorithm not in ("one_shot", "two_shot"):
@@ -90,10 +94,15 @@ class ReferenceBackend:
         return full.reshape(-1)[: flat.numel()].view(x.shape)
 
 
-def _sum_fp32(parts: list[Compressed], dtype: torch.dtype) -> torch.Tensor:
-    total = decompress(parts[0], torch.float32)
+def _sum_fp32(parts: list[Compressed | torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """FP32 sum in order (the first term not added to zero: -0.0 stays), cast to dtype; a tensor
+    part is a rank's own contribution, taken exactly."""
+    def term(p: Compressed | torch.Tensor) -> torch.Tensor:
+        return p.float() if isinstance(p, torch.Tensor) else decompress(p, torch.float32)
+
+    total = term(parts[0])
     for p in parts[1:]:
-        total = total + decompress(p, torch.float32)
+        total = total + term(p)
     return total.to(dtype)
 
 

@@ -102,14 +102,18 @@ def _aligned(ptr: int, stride_bytes: int) -> bool:
     return ptr % 16 == 0 and stride_bytes % 16 == 0
 
 
-def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> torch.Tensor:
+def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
+                  skip: int | None = None) -> torch.Tensor:
     """Compress `x` into `buf` (16-byte aligned) in `quant.pack`'s layout; with `segments` > 1, x
     (split into that many equal chunks along dim 0) into as many packed messages, chunk q at
-    q * cfg.packed_stride(chunk) (what a reduce-scatter sends rank q). One launch; returns buf."""
+    q * cfg.packed_stride(chunk) (what a reduce-scatter sends rank q), all but chunk `skip` (its
+    bytes are left as they are). One launch; returns buf."""
     if x.dtype not in DTYPE_CODE:
         raise TypeError(f"the CUDA kernels compress float32, float16 or bfloat16 tensors, got {x.dtype}")
     if x.dim() == 0 or segments < 1 or x.shape[0] % segments:
         raise ValueError(f"cannot split shape {tuple(x.shape)} into {segments} equal chunks along dim 0")
+    if skip is not None and not 0 <= skip < segments:
+        raise ValueError(f"skip must be a chunk index in 0..{segments - 1} or None, got {skip}")
     x = x.contiguous()
     chunk = x.numel() // segments
     wire = cfg.wire_bytes(chunk)  # raises for pad=False and a ragged chunk
@@ -126,7 +130,7 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
         return buf
     vec = _aligned(x.data_ptr(), chunk * x.element_size())
     _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(chunk),
-            [x, chunk, chunk, segments, buf, stride, int(vec)])
+            [x, chunk, chunk, segments, buf, stride, int(vec), -1 if skip is None else skip])
     return buf
 
 
@@ -162,31 +166,47 @@ def _packed_address(c: Compressed) -> int:
     return base
 
 
-def _sources(cs: Sequence[Compressed], out: torch.Tensor, what: str, out_numel: int) -> tuple[QuantConfig, int, ctypes.Array]:
-    """Checks messages and output (out_numel: what out must hold, given numel per message)."""
-    if not 1 <= len(cs) <= MAX_SOURCES:
-        raise ValueError(f"{what} takes 1..{MAX_SOURCES} messages, got {len(cs)}")
+def _sources(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor, what: str,
+             per_message_out: bool) -> tuple[QuantConfig, int, ctypes.Array, int]:
+    """Checks messages and output; the sources' addresses, and the index of the one raw tensor part
+    (-1: none). per_message_out: out holds every message (gather), else one (sum)."""
+    if not 1 <= len(parts) <= MAX_SOURCES:
+        raise ValueError(f"{what} takes 1..{MAX_SOURCES} messages, got {len(parts)}")
+    cs = [p for p in parts if isinstance(p, Compressed)]
+    own = [i for i, p in enumerate(parts) if not isinstance(p, Compressed)]
+    if not cs or len(own) > 1:
+        raise ValueError(f"{what} takes packed messages and at most one raw tensor (a rank's own chunk), got "
+                         f"{len(cs)} messages and {len(own)} tensors")
     cfg, numel = cs[0].config, cs[0].numel
     for c in cs:
         if c.config != cfg or c.numel != numel:
             raise ValueError(f"{what}: every message must have the same config and size, got {c.config}/{c.numel} "
                              f"and {cfg}/{numel}")
-    ptrs = (ctypes.c_uint64 * MAX_SOURCES)(*[_packed_address(c) for c in cs])
+    addresses = [p.data_ptr() if i in own else _packed_address(p) for i, p in enumerate(parts)]
+    out_numel = len(parts) * numel if per_message_out else numel
     if out.numel() != out_numel:
-        raise ValueError(f"{what}: out has {out.numel()} elements, {len(cs)} messages of {numel} need {out_numel}")
+        raise ValueError(f"{what}: out has {out.numel()} elements, {len(parts)} messages of {numel} need {out_numel}")
     if out.dtype not in DTYPE_CODE:
         raise TypeError(f"the CUDA kernels decompress to float32, float16 or bfloat16, got {out.dtype}")
-    if not out.is_contiguous() or out.device.type != "cuda" or any(c.payload.device != out.device for c in cs):
+    for i in own:
+        t = parts[i]
+        if t.dtype != out.dtype or t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"{what}: the raw part must be a contiguous {out.dtype} tensor of {numel} elements, got "
+                             f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    devices = {p.payload.device if isinstance(p, Compressed) else p.device for p in parts}
+    if not out.is_contiguous() or out.device.type != "cuda" or devices != {out.device}:
         raise ValueError(f"{what}: out must be a contiguous CUDA tensor on the messages' device, got "
                          f"{'' if out.is_contiguous() else 'a non-contiguous tensor '}on {out.device}, messages on "
-                         f"{cs[0].payload.device}")
-    return cfg, numel, ptrs
+                         f"{sorted(map(str, devices))}")
+    return cfg, numel, (ctypes.c_uint64 * MAX_SOURCES)(*addresses), own[0] if own else -1
 
 
 def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     """out[p] = decompress(cs[p]) for every message (out: len(cs) * numel elements, any shape), in
     one launch whose warps interleave the messages (every peer's link busy at once)."""
-    cfg, numel, ptrs = _sources(cs, out, "gather_into", len(cs) * cs[0].numel if cs else 0)
+    if any(not isinstance(c, Compressed) for c in cs):
+        raise ValueError("gather_into takes packed messages only")
+    cfg, numel, ptrs, _ = _sources(cs, out, "gather_into", per_message_out=True)
     if numel:
         vec = _aligned(out.data_ptr(), numel * out.element_size())
         _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
@@ -194,13 +214,15 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sum_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
-    """out = (sum over the messages of their FP32 decompressions, in order) cast to out's dtype: the
-    reference's `decompress(cs[0]) + decompress(cs[1]) + ...` then `.to(dtype)`, in one launch."""
-    cfg, numel, ptrs = _sources(cs, out, "sum_into", cs[0].numel if cs else 0)
+def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """out = (sum over the parts of their FP32 decompressions, in order) cast to out's dtype: the
+    reference's `decompress(parts[0]) + decompress(parts[1]) + ...` then `.to(dtype)`, in one launch.
+    One part may be a raw tensor of out's dtype (a reduce-scatter's own chunk), added exactly."""
+    cfg, numel, ptrs, own = _sources(parts, out, "sum_into", per_message_out=False)
     if numel:
-        _launch(out.device, specialization(cfg, out.dtype, len(cs)), "taco_sum", _items(numel),
-                [ptrs, numel, out, int(_aligned(out.data_ptr(), 0))])
+        vec = _aligned(out.data_ptr(), 0) and (own < 0 or _aligned(parts[own].data_ptr(), 0))
+        _launch(out.device, specialization(cfg, out.dtype, len(parts)), "taco_sum", _items(numel),
+                [ptrs, numel, out, int(vec), own])
     return out
 
 

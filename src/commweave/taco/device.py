@@ -85,17 +85,19 @@ class Transport(Protocol):
 
 
 class Codec(Protocol):
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
+                      skip: int | None = None) -> None:
         """x split into `segments` equal chunks along dim 0, chunk q packed at q * packed_stride(chunk)
-        (one message: the whole buffer)."""
+        (one message: the whole buffer); chunk `skip` is not compressed (its segment is left as is)."""
         ...
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         """out[p] = decompress(cs[p]) (out: (len(cs), *shape), contiguous)."""
         ...
 
-    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
-        """out = (FP32 decompress(cs[0]) + decompress(cs[1]) + ...) cast to out's dtype."""
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
+        """out = (FP32 term 0 + term 1 + ...) cast to out's dtype; a term is decompress(part), or the
+        part itself (exact) where it is a tensor (a rank's own chunk). One tensor part at most."""
         ...
 
 
@@ -112,22 +114,31 @@ class PerMessageCodec:
     def accumulate_one(self, c: Compressed, acc: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
+                      skip: int | None = None) -> None:
         chunks = x.chunk(segments, dim=0)
         wire = cfg.wire_bytes(chunks[0].numel())
         stride = cfg.packed_stride(chunks[0].numel()) if segments > 1 else wire
         for q, chunk in enumerate(chunks):
-            self.compress_one(chunk, cfg, buf[q * stride:q * stride + wire])
+            if q != skip:
+                self.compress_one(chunk, cfg, buf[q * stride:q * stride + wire])
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         for p, c in enumerate(cs):
             self.decompress_one(c, out[p])
 
-    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
         acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        self.decompress_one(cs[0], acc)  # not accumulated onto zeros: keeps -0.0 as the reference
-        for c in cs[1:]:
-            self.accumulate_one(c, acc)
+        for i, part in enumerate(parts):
+            if isinstance(part, torch.Tensor):  # own chunk, exact
+                if i == 0:
+                    acc.copy_(part.view(acc.shape))
+                else:
+                    acc.add_(part.view(acc.shape))
+            elif i == 0:
+                self.decompress_one(part, acc)  # not accumulated onto zeros: keeps -0.0 as the reference
+            else:
+                self.accumulate_one(part, acc)
         out.copy_(acc)
 
 
@@ -171,14 +182,15 @@ class CudaCodec:
 
         self._k = cuda
 
-    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1) -> None:
-        self._k.compress_into(x, cfg, buf, segments)
+    def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
+                      skip: int | None = None) -> None:
+        self._k.compress_into(x, cfg, buf, segments, skip)
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         self._k.gather_into(cs, out)
 
-    def sum_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
-        self._k.sum_into(cs, out)
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
+        self._k.sum_into(parts, out)
 
 
 CODECS = {"cuda": CudaCodec, "triton": TritonCodec, "reference": ReferenceCodec}
@@ -232,19 +244,23 @@ class DeviceCollectives:
         return out.view(world * shape[0], *shape[1:])
 
     def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
-        """Chunk `rank` (of x split along dim 0) summed over ranks; chunk q compressed into
-        segment q of the buffer (at q * packed_stride), rank q reads segment q of every rank's buffer."""
+        """Chunk `rank` (of x split along dim 0) summed over ranks; chunk q != rank compressed into
+        segment q of the buffer (at q * packed_stride), rank q reads segment q of every other rank's
+        buffer and takes its own chunk exactly."""
         _check_input(x, self.t.device)
         world, rank = self.t.world_size, self.t.rank
         _check_dim0(x, world)
         chunk_shape = (x.shape[0] // world, *x.shape[1:])
         stride = cfg.packed_stride(math.prod(chunk_shape))
         key, buf = self._buffer("reduce_scatter", tuple(x.shape), x.dtype, cfg, world * stride)
-        self.codec.compress_into(x, cfg, buf, segments=world)
+        self.codec.compress_into(x, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
         self._barrier()
         out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
         lo = rank * stride
-        self.codec.sum_into(self._messages(buf, lo, lo + cfg.wire_bytes(math.prod(chunk_shape)), chunk_shape, x.dtype, cfg), out)
+        parts: list[Compressed | torch.Tensor] = list(
+            self._messages(buf, lo, lo + cfg.wire_bytes(math.prod(chunk_shape)), chunk_shape, x.dtype, cfg))
+        parts[rank] = x.view(world, -1)[rank].view(chunk_shape)  # own chunk, exact (as the reference)
+        self.codec.sum_into(parts, out)
         self._read_at[key] = self.barriers
         return out
 

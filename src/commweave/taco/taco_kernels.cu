@@ -327,9 +327,11 @@ struct Sources {
 };
 
 // Compress `segments` messages of `numel` elements each, message s at x + s * x_stride, into packed
-// message s at buf + s * buf_stride (16-byte aligned). vec: x and x_stride allow 16-byte loads.
+// message s at buf + s * buf_stride (16-byte aligned), all but message `skip` (-1: none; a
+// reduce-scatter's own chunk). vec: x and x_stride allow 16-byte loads.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
-taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride, int vec) {
+taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
+              int vec, int skip) {
   using T = typename Storage<TACO_IN>::T;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   const T* x = static_cast<const T*>(x_);
@@ -340,6 +342,7 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
     const long long seg = item / per_segment;
+    if (seg == skip) continue;  // warp-uniform
     const long long first = (item - seg * per_segment) * ITEM + lane * E;  // this lane's first element
     const long long group = first / G;
     float v[E];
@@ -404,13 +407,14 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
 // Decompress packed messages of `numel` elements each. SUM == false (gather): message p to
 // out + p * out_stride for p < n_src, warps interleaving the messages (consecutive warps read
 // different ranks: every link busy at once). SUM == true: out = the FP32 sum of the TACO_NSRC
-// messages' decompressions in order (the first not added to zero, as the reference's), cast once.
-// A warp walks its (item, message) steps with the next step's bytes loaded while the current one
+// messages' decompressions in order (the first not added to zero, as the reference's), cast once;
+// message `own` (-1: none) is raw elements of the output's type instead, added exactly (a
+// reduce-scatter's own chunk). A warp walks its (item, message) steps with the next step's bytes loaded while the current one
 // is decompressed; whole items move through the warp's shared stage (coalesced loads and stores).
 // vec: out and out_stride allow 16-byte stores.
 template <bool SUM>
 __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, long long numel, void* out_,
-                                                 long long out_stride, int vec) {
+                                                 long long out_stride, int vec, int own) {
   using T = typename Storage<TACO_OUT>::T;
   constexpr int OUT_BYTES = E * sizeof(T);  // a lane's output bytes
   constexpr int STEPS = SUM ? TACO_NSRC : 1;  // messages per item
@@ -424,6 +428,7 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   // step (item, i): message p = SUM ? i : item % n_src, elements from (SUM ? item : item / n_src) * ITEM
   auto fetch = [&](long long item, int i) {
+    if (SUM && i == own) return LaneData{};  // raw elements: loaded where they are used
     const int p = SUM ? i : (int)(item % n_src);
     const long long item_first = (SUM ? item : item / n_src) * ITEM;
     return load_message(reinterpret_cast<const uint8_t*>(src.ptr[p]), groups, item_first,
@@ -443,11 +448,15 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     const int p0 = SUM ? 0 : (int)(item % n_src);
     const long long item_first = (SUM ? item : item / n_src) * ITEM;
     const long long first = item_first + lane * E;
-    uint4 mine[2] = {cur.raw[0], cur.raw[1]};
-    if (item_first + ITEM <= groups * G) unstage<E>(my_stage, cur.raw, mine, lane);  // warp-uniform
-    const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
     float v[E];
-    decompress_group(p, cur.scale, cur.pre, lane, v);
+    if (SUM && i == own) {  // warp-uniform
+      load_lane(reinterpret_cast<const T*>(src.ptr[i]) + first, first, numel, vec, v);
+    } else {
+      uint4 mine[2] = {cur.raw[0], cur.raw[1]};
+      if (item_first + ITEM <= groups * G) unstage<E>(my_stage, cur.raw, mine, lane);  // warp-uniform
+      const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
+      decompress_group(p, cur.scale, cur.pre, lane, v);
+    }
 #pragma unroll
     for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
     if (i == STEPS - 1) {
@@ -475,10 +484,10 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
 
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_GATHER)
 taco_gather(const __grid_constant__ Sources src, int n_src, long long numel, void* out, long long out_stride, int vec) {
-  decompress_items<false>(src, n_src, numel, out, out_stride, vec);
+  decompress_items<false>(src, n_src, numel, out, out_stride, vec, -1);
 }
 
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_SUM)
-taco_sum(const __grid_constant__ Sources src, long long numel, void* out, int vec) {
-  decompress_items<true>(src, TACO_NSRC, numel, out, 0, vec);
+taco_sum(const __grid_constant__ Sources src, long long numel, void* out, int vec, int own) {
+  decompress_items<true>(src, TACO_NSRC, numel, out, 0, vec, own);
 }
