@@ -266,6 +266,14 @@ class TracingCodec:
                 self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
         self.codec.sum_into(parts, out)
 
+    def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
+                          buf: torch.Tensor) -> None:
+        for c in parts:
+            if isinstance(c, Compressed):
+                self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+        self.t.node.log("write", self.t.rank, buf, self.t.epoch)
+        self.codec.sum_compress_into(parts, dtype, cfg, buf)
+
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
              codec: Any = None) -> tuple[list[Any], FakeNode]:
@@ -383,6 +391,11 @@ class SerializedCodec:
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
         with self._lock:
             self.codec.sum_into(parts, out)
+
+    def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
+                          buf: torch.Tensor) -> None:
+        with self._lock:
+            self.codec.sum_compress_into(parts, dtype, cfg, buf)
 
 
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:

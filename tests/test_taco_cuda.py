@@ -54,11 +54,12 @@ def test_every_specialization_class_compiles_for_sm90():
         frames = dict(zip(re.findall(r"Function properties for (\w+)", log),
                           [tuple(int(w) for w in re.findall(r"(\d+) bytes", line))
                            for line in log.splitlines() if "stack frame" in line]))
-        assert set(frames) == {"taco_compress", "taco_gather", "taco_sum"}, log
+        assert set(frames) == {"taco_compress", "taco_gather", "taco_sum", "taco_sum_compress"}, log
         for kernel, frame in frames.items():
-            # adaptive compression holds both transforms' values at once: it may spill; the summing
-            # kernel holds two messages in flight: a few bytes at most
-            if kernel == "taco_compress" and cfg.hadamard == "adaptive":
+            # adaptive compression holds both transforms' values at once, and summing then compressing
+            # holds a sum and the next message's bytes with compression's values: they may spill; the
+            # summing kernel holds two messages in flight: a few bytes at most
+            if (kernel == "taco_compress" and cfg.hadamard == "adaptive") or kernel == "taco_sum_compress":
                 continue
             limit = 16 if kernel == "taco_sum" or kernel == "taco_compress" else 0
             assert frame[1] <= limit and frame[2] <= limit, (cfg, dtype, n, frames)
@@ -99,15 +100,17 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.sum_into([packed, other], torch.empty(x.numel()))
     with pytest.raises(ValueError, match="1..8 messages"):
         cuda.sum_into([packed] * 9, torch.empty(x.numel()))
+    with pytest.raises(ValueError, match="requantizes with the messages' config"):
+        cuda.sum_compress_into([packed], torch.float32, QuantConfig(64), torch.empty(0, dtype=torch.uint8))
     with pytest.raises(ValueError, match="at most one raw tensor"):
         cuda.sum_into([packed, x, x], torch.empty(x.numel()))
     with pytest.raises(ValueError, match="raw part must be a contiguous torch.float32 tensor of 1024 elements"):
         cuda.sum_into([packed, x.half()], torch.empty(x.numel()))
-    with pytest.raises(ValueError, match="out has 1024 elements, 2 messages of 1024 need 2048"):
+    with pytest.raises(ValueError, match="out must be a contiguous tensor of 2048 elements"):
         cuda.gather_into([packed, packed], torch.empty(x.numel()))
     with pytest.raises(TypeError, match="decompress to float32"):
         cuda.sum_into([packed], torch.empty(x.numel(), dtype=torch.float64))
-    with pytest.raises(ValueError, match="contiguous CUDA tensor on the messages' device"):
+    with pytest.raises(ValueError, match="must be a CUDA tensor on the messages' device"):
         cuda.sum_into([packed], torch.empty(x.numel()))
 
 
@@ -181,6 +184,11 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
             got = cuda.sum_into([msgs[0], own.to(dev), msgs[2]], torch.empty(xs[0].shape, device=dev, dtype=dtype)).cpu()
             if not same_bits(got, expect.to(dtype)):
                 failures.append(f"sum with an own chunk {cfg} -> {dtype}")
+            # two-shot's requantization: that sum in dtype, compressed, in one kernel
+            packed = cuda.sum_compress_into([msgs[0], own.to(dev), msgs[2]], dtype, cfg,
+                                            torch.empty(cfg.wire_bytes(own.numel()), dtype=torch.uint8, device=dev))
+            if not torch.equal(packed.cpu(), quant.pack(quant.compress(expect.to(dtype), cfg))):
+                failures.append(f"sum_compress {cfg} in {dtype}")
         # segments: chunk q of x compressed into message q
         x = torch.randn(4, 1000, device=dev, dtype=torch.bfloat16)
         seg, wire = cfg.packed_stride(1000), cfg.wire_bytes(1000)

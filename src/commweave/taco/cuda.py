@@ -166,10 +166,10 @@ def _packed_address(c: Compressed) -> int:
     return base
 
 
-def _sources(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor, what: str,
-             per_message_out: bool) -> tuple[QuantConfig, int, ctypes.Array, int]:
-    """Checks messages and output; the sources' addresses, and the index of the one raw tensor part
-    (-1: none). per_message_out: out holds every message (gather), else one (sum)."""
+def _sources(parts: Sequence[Compressed | torch.Tensor], what: str, dtype: torch.dtype,
+             device: torch.device) -> tuple[QuantConfig, int, ctypes.Array, int]:
+    """Checks the parts against the result's dtype and device: their config, elements per message,
+    addresses, and the index of the one raw tensor part (-1: none)."""
     if not 1 <= len(parts) <= MAX_SOURCES:
         raise ValueError(f"{what} takes 1..{MAX_SOURCES} messages, got {len(parts)}")
     cs = [p for p in parts if isinstance(p, Compressed)]
@@ -183,22 +183,24 @@ def _sources(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor, what
             raise ValueError(f"{what}: every message must have the same config and size, got {c.config}/{c.numel} "
                              f"and {cfg}/{numel}")
     addresses = [p.data_ptr() if i in own else _packed_address(p) for i, p in enumerate(parts)]
-    out_numel = len(parts) * numel if per_message_out else numel
-    if out.numel() != out_numel:
-        raise ValueError(f"{what}: out has {out.numel()} elements, {len(parts)} messages of {numel} need {out_numel}")
-    if out.dtype not in DTYPE_CODE:
-        raise TypeError(f"the CUDA kernels decompress to float32, float16 or bfloat16, got {out.dtype}")
+    if dtype not in DTYPE_CODE:
+        raise TypeError(f"the CUDA kernels decompress to float32, float16 or bfloat16, got {dtype}")
     for i in own:
         t = parts[i]
-        if t.dtype != out.dtype or t.numel() != numel or not t.is_contiguous():
-            raise ValueError(f"{what}: the raw part must be a contiguous {out.dtype} tensor of {numel} elements, got "
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"{what}: the raw part must be a contiguous {dtype} tensor of {numel} elements, got "
                              f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
     devices = {p.payload.device if isinstance(p, Compressed) else p.device for p in parts}
-    if not out.is_contiguous() or out.device.type != "cuda" or devices != {out.device}:
-        raise ValueError(f"{what}: out must be a contiguous CUDA tensor on the messages' device, got "
-                         f"{'' if out.is_contiguous() else 'a non-contiguous tensor '}on {out.device}, messages on "
-                         f"{sorted(map(str, devices))}")
+    if device.type != "cuda" or devices != {device}:
+        raise ValueError(f"{what}: the result must be a CUDA tensor on the messages' device, got {device}, messages "
+                         f"on {sorted(map(str, devices))}")
     return cfg, numel, (ctypes.c_uint64 * MAX_SOURCES)(*addresses), own[0] if own else -1
+
+
+def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
+    if out.numel() != numel or not out.is_contiguous():
+        raise ValueError(f"{what}: out must be a contiguous tensor of {numel} elements, got {tuple(out.shape)}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
 
 
 def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
@@ -206,7 +208,8 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     one launch whose warps interleave the messages (every peer's link busy at once)."""
     if any(not isinstance(c, Compressed) for c in cs):
         raise ValueError("gather_into takes packed messages only")
-    cfg, numel, ptrs, _ = _sources(cs, out, "gather_into", per_message_out=True)
+    cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype, out.device)
+    _check_out(out, len(cs) * numel, "gather_into")
     if numel:
         vec = _aligned(out.data_ptr(), numel * out.element_size())
         _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
@@ -218,12 +221,34 @@ def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor) -> t
     """out = (sum over the parts of their FP32 decompressions, in order) cast to out's dtype: the
     reference's `decompress(parts[0]) + decompress(parts[1]) + ...` then `.to(dtype)`, in one launch.
     One part may be a raw tensor of out's dtype (a reduce-scatter's own chunk), added exactly."""
-    cfg, numel, ptrs, own = _sources(parts, out, "sum_into", per_message_out=False)
+    cfg, numel, ptrs, own = _sources(parts, "sum_into", out.dtype, out.device)
+    _check_out(out, numel, "sum_into")
     if numel:
         vec = _aligned(out.data_ptr(), 0) and (own < 0 or _aligned(parts[own].data_ptr(), 0))
         _launch(out.device, specialization(cfg, out.dtype, len(parts)), "taco_sum", _items(numel),
                 [ptrs, numel, out, int(vec), own])
     return out
+
+
+def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
+                      buf: torch.Tensor) -> torch.Tensor:
+    """buf = pack(compress(sum_into(parts) in `dtype`, cfg)) in one launch: two-shot all-reduce's
+    requantization of its reduced chunk, with no round trip of that chunk through memory. `cfg`
+    must be the messages' own (the kernel is specialised for one config)."""
+    first = next((p for p in parts if isinstance(p, Compressed)), None)
+    if first is not None and first.config != cfg:
+        raise ValueError(f"sum_compress_into requantizes with the messages' config {first.config}, got {cfg}")
+    _, numel, ptrs, own = _sources(parts, "sum_compress_into", dtype, buf.device)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() != cfg.wire_bytes(numel):
+        raise ValueError(f"buf must be a contiguous 1-D uint8 tensor of {cfg.wire_bytes(numel)} bytes for {numel} "
+                         f"elements under {cfg}, got {buf.dtype} {tuple(buf.shape)}")
+    if buf.data_ptr() % 16:
+        raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
+    if numel:
+        vec = own < 0 or _aligned(parts[own].data_ptr(), 0)
+        _launch(buf.device, specialization(cfg, dtype, len(parts)), "taco_sum_compress", _items(numel),
+                [ptrs, numel, buf, int(vec), own])
+    return buf
 
 
 def decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:

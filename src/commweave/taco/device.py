@@ -100,6 +100,11 @@ class Codec(Protocol):
         part itself (exact) where it is a tensor (a rank's own chunk). One tensor part at most."""
         ...
 
+    def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
+                          buf: torch.Tensor) -> None:
+        """buf = pack(compress(the sum_into result in `dtype`, cfg)): two-shot's requantization."""
+        ...
+
 
 class PerMessageCodec:
     """A codec from single-message compress/decompress/accumulate: the collectives' steps one
@@ -140,6 +145,13 @@ class PerMessageCodec:
             else:
                 self.accumulate_one(part, acc)
         out.copy_(acc)
+
+    def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
+                          buf: torch.Tensor) -> None:
+        first = next(p for p in parts if isinstance(p, Compressed))
+        reduced = torch.empty(first.shape, dtype=dtype, device=buf.device)
+        self.sum_into(parts, reduced)
+        self.compress_one(reduced, cfg, buf)
 
 
 class ReferenceCodec(PerMessageCodec):
@@ -191,6 +203,10 @@ class CudaCodec:
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
         self._k.sum_into(parts, out)
+
+    def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
+                          buf: torch.Tensor) -> None:
+        self._k.sum_compress_into(parts, dtype, cfg, buf)
 
 
 CODECS = {"cuda": CudaCodec, "triton": TritonCodec, "reference": ReferenceCodec}
@@ -267,7 +283,8 @@ class DeviceCollectives:
     def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo) -> torch.Tensor:
         """one_shot: every rank reads every rank's whole compressed x and sums in FP32.
         two_shot: compressed reduce-scatter of the group-padded flat tensor, the reduced chunk
-        requantized (in x's dtype), compressed all-gather: the reference's steps exactly."""
+        requantized (in x's dtype) by the summing kernel itself, compressed all-gather: the
+        reference's steps exactly (two barriers)."""
         if algorithm not in ("one_shot", "two_shot"):
             raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
         _check_input(x, self.t.device)
@@ -282,11 +299,26 @@ class DeviceCollectives:
             self.codec.sum_into(self._messages(buf, 0, nbytes, shape, x.dtype, cfg), out)
             self._read_at[key] = self.barriers
             return out
+        rank = self.t.rank
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
-        padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel()))
-        mine = self.reduce_scatter(padded.view(world, per_rank), cfg)  # (1, per_rank), FP32-summed, x.dtype
-        full = self.all_gather(mine, cfg)  # requantized
+        padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel())).view(world, per_rank)
+        # phase 1, a reduce-scatter: chunks to their ranks (own chunk kept exact)
+        stride, wire = cfg.packed_stride(per_rank), cfg.wire_bytes(per_rank)
+        key1, buf1 = self._buffer("two_shot_scatter", (world, per_rank), x.dtype, cfg, world * stride)
+        self.codec.compress_into(padded, cfg, buf1, segments=world, skip=rank)
+        self._barrier()
+        parts: list[Compressed | torch.Tensor] = list(self._messages(buf1, rank * stride, rank * stride + wire,
+                                                                     (1, per_rank), x.dtype, cfg))
+        parts[rank] = padded[rank].view(1, per_rank)
+        # phase 2, an all-gather of the reduced chunk, requantized in x's dtype by the summing kernel
+        key2, buf2 = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg, wire)
+        self.codec.sum_compress_into(parts, x.dtype, cfg, buf2)
+        self._read_at[key1] = self.barriers
+        self._barrier()
+        full = torch.empty((world, per_rank), dtype=x.dtype, device=x.device)
+        self.codec.gather_into(self._messages(buf2, 0, wire, (1, per_rank), x.dtype, cfg), full)
+        self._read_at[key2] = self.barriers
         return full.reshape(-1)[: flat.numel()].view(x.shape)
 
     def close(self) -> None:

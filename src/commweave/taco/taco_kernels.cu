@@ -412,7 +412,9 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
 // reduce-scatter's own chunk). A warp walks its (item, message) steps with the next step's bytes loaded while the current one
 // is decompressed; whole items move through the warp's shared stage (coalesced loads and stores).
 // vec: out and out_stride allow 16-byte stores.
-template <bool SUM>
+// REQUANTIZE (with SUM): instead of storing the sum, round it to the output's type and compress it
+// into the packed message at out_ (two-shot all-reduce's reduced chunk, bound for the all-gather).
+template <bool SUM, bool REQUANTIZE = false>
 __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, long long numel, void* out_,
                                                  long long out_stride, int vec, int own) {
   using T = typename Storage<TACO_OUT>::T;
@@ -459,7 +461,30 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     }
 #pragma unroll
     for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
-    if (i == STEPS - 1) {
+    if (REQUANTIZE && i == STEPS - 1) {
+      // quant: the sum cast to the dtype (padding past numel is zero, as compress pads), compressed
+#pragma unroll
+      for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(from_float<TACO_OUT>(acc[r])) : 0.0f;
+      Payload q;
+      float scale, pre;
+      compress_group(v, lane, q, scale, pre);
+      uint8_t* payload = static_cast<uint8_t*>(out_);
+      const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+      const long long group = first / G;
+      if (item_first + ITEM <= groups * G) {
+        store_staged<E>(my_stage, pieces, payload + item_first, lane);
+      } else if (group < groups) {
+        reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
+        reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+      }
+      if (group < groups && lane % LANES == 0) {
+        float* scales = reinterpret_cast<float*>(payload + groups * G);
+        scales[group] = scale;
+#if TACO_DUAL
+        scales[groups + group] = pre;
+#endif
+      }
+    } else if (i == STEPS - 1) {
       T* dst = out + (SUM ? 0 : p0 * out_stride);
       if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
         constexpr int N = 16 / sizeof(T);
@@ -490,4 +515,10 @@ taco_gather(const __grid_constant__ Sources src, int n_src, long long numel, voi
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_SUM)
 taco_sum(const __grid_constant__ Sources src, long long numel, void* out, int vec, int own) {
   decompress_items<true>(src, TACO_NSRC, numel, out, 0, vec, own);
+}
+
+// taco_sum, then the sum (in the output's type) compressed into the packed message at buf.
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_SUM)
+taco_sum_compress(const __grid_constant__ Sources src, long long numel, uint8_t* buf, int vec, int own) {
+  decompress_items<true, true>(src, TACO_NSRC, numel, buf, 0, vec, own);
 }
