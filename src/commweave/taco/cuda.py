@@ -166,10 +166,10 @@ def _packed_address(c: Compressed) -> int:
     return base
 
 
-def _sources(parts: Sequence[Compressed | torch.Tensor], what: str, dtype: torch.dtype,
-             device: torch.device) -> tuple[QuantConfig, int, ctypes.Array, int]:
-    """Checks the parts against the result's dtype and device: their config, elements per message,
-    addresses, and the index of the one raw tensor part (-1: none)."""
+def _sources(parts: Sequence[Compressed | torch.Tensor], what: str,
+             dtype: torch.dtype) -> tuple[QuantConfig, int, ctypes.Array, int]:
+    """Checks the parts against the result's dtype: their config, elements per message, addresses,
+    and the index of the one raw tensor part (-1: none)."""
     if not 1 <= len(parts) <= MAX_SOURCES:
         raise ValueError(f"{what} takes 1..{MAX_SOURCES} messages, got {len(parts)}")
     cs = [p for p in parts if isinstance(p, Compressed)]
@@ -190,17 +190,18 @@ def _sources(parts: Sequence[Compressed | torch.Tensor], what: str, dtype: torch
         if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(f"{what}: the raw part must be a contiguous {dtype} tensor of {numel} elements, got "
                              f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    devices = {p.payload.device if isinstance(p, Compressed) else p.device for p in parts}
-    if device.type != "cuda" or devices != {device}:
-        raise ValueError(f"{what}: the result must be a CUDA tensor on the messages' device, got {device}, messages "
-                         f"on {sorted(map(str, devices))}")
     return cfg, numel, (ctypes.c_uint64 * MAX_SOURCES)(*addresses), own[0] if own else -1
 
 
-def _check_out(out: torch.Tensor, numel: int, what: str) -> None:
-    if out.numel() != numel or not out.is_contiguous():
-        raise ValueError(f"{what}: out must be a contiguous tensor of {numel} elements, got {tuple(out.shape)}"
-                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+def _check_result(parts: Sequence[Compressed | torch.Tensor], result: torch.Tensor, numel: int, what: str) -> None:
+    """The result tensor: contiguous, `numel` elements, on the CUDA device that holds the parts."""
+    if result.numel() != numel or not result.is_contiguous():
+        raise ValueError(f"{what}: out must be a contiguous tensor of {numel} elements, got {tuple(result.shape)}"
+                         f"{'' if result.is_contiguous() else ' (not contiguous)'}")
+    devices = {p.payload.device if isinstance(p, Compressed) else p.device for p in parts}
+    if result.device.type != "cuda" or devices != {result.device}:
+        raise ValueError(f"{what}: the result must be a CUDA tensor on the messages' device, got {result.device}, "
+                         f"messages on {sorted(map(str, devices))}")
 
 
 def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
@@ -208,8 +209,8 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     one launch whose warps interleave the messages (every peer's link busy at once)."""
     if any(not isinstance(c, Compressed) for c in cs):
         raise ValueError("gather_into takes packed messages only")
-    cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype, out.device)
-    _check_out(out, len(cs) * numel, "gather_into")
+    cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype)
+    _check_result(cs, out, len(cs) * numel, "gather_into")
     if numel:
         vec = _aligned(out.data_ptr(), numel * out.element_size())
         _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
@@ -221,8 +222,8 @@ def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor) -> t
     """out = (sum over the parts of their FP32 decompressions, in order) cast to out's dtype: the
     reference's `decompress(parts[0]) + decompress(parts[1]) + ...` then `.to(dtype)`, in one launch.
     One part may be a raw tensor of out's dtype (a reduce-scatter's own chunk), added exactly."""
-    cfg, numel, ptrs, own = _sources(parts, "sum_into", out.dtype, out.device)
-    _check_out(out, numel, "sum_into")
+    cfg, numel, ptrs, own = _sources(parts, "sum_into", out.dtype)
+    _check_result(parts, out, numel, "sum_into")
     if numel:
         vec = _aligned(out.data_ptr(), 0) and (own < 0 or _aligned(parts[own].data_ptr(), 0))
         _launch(out.device, specialization(cfg, out.dtype, len(parts)), "taco_sum", _items(numel),
@@ -238,10 +239,10 @@ def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.d
     first = next((p for p in parts if isinstance(p, Compressed)), None)
     if first is not None and first.config != cfg:
         raise ValueError(f"sum_compress_into requantizes with the messages' config {first.config}, got {cfg}")
-    _, numel, ptrs, own = _sources(parts, "sum_compress_into", dtype, buf.device)
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.numel() != cfg.wire_bytes(numel):
-        raise ValueError(f"buf must be a contiguous 1-D uint8 tensor of {cfg.wire_bytes(numel)} bytes for {numel} "
-                         f"elements under {cfg}, got {buf.dtype} {tuple(buf.shape)}")
+    _, numel, ptrs, own = _sources(parts, "sum_compress_into", dtype)
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise ValueError(f"buf must be a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
+    _check_result(parts, buf, cfg.wire_bytes(numel), "sum_compress_into")
     if buf.data_ptr() % 16:
         raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
     if numel:
