@@ -36,6 +36,7 @@
 #define G TACO_G
 constexpr int E = 32;                        // elements per lane
 constexpr int LANES = G / E;                 // lanes per group
+constexpr int LOG_LANES = LANES >= 16 ? 4 : LANES >= 8 ? 3 : LANES >= 4 ? 2 : LANES >= 2 ? 1 : 0;
 constexpr int ITEM = 32 * E;                 // elements per warp and work item
 constexpr unsigned FULL = 0xffffffffu;
 constexpr float FWHT_SCALE = TACO_FWHT_SCALE;  // 1/sqrt(G) rounded to FP32, as quant.fwht's
@@ -164,19 +165,33 @@ __device__ __forceinline__ float group_absmax(const float (&v)[E]) {
   return m;
 }
 
-// quant._pairwise_sum of the group: element i + element i + half, half = G/2, .., 1. Halves of 32
-// and more are lanes LANES/2, .., 1 apart (both lanes get the same sum: IEEE addition commutes).
-__device__ __forceinline__ float group_pairwise_sum(float (&s)[E]) {
+// quant._pairwise_sum of the group: element i + element i + half, half = G/2, .., 1 (IEEE addition
+// commutes, so either lane of a pair may add). Halves of 32 and more pair lanes LANES/2, .., 1
+// apart; each such pair splits the work: the lower lane keeps the sums of even (compact) indices,
+// the upper the odd ones, each sending the other half (half the values a step, half the shuffles).
+// Then the halves 16 .. LANES within a lane's remaining values, then the last log2(LANES) halves
+// across the lanes that split them (both lanes of a pair end with the same sum).
+__device__ __forceinline__ float group_pairwise_sum(float (&s)[E], int lane) {
 #pragma unroll
-  for (int k = LANES / 2; k >= 1; k >>= 1)
+  for (int j = 0; j < LOG_LANES; ++j) {
+    const int m = LANES >> (j + 1);
+    const bool upper = lane & m;
 #pragma unroll
-    for (int r = 0; r < E; ++r) s[r] = __fadd_rn(s[r], __shfl_xor_sync(FULL, s[r], k));
+    for (int t = 0; t < E / 2; ++t)
+      if (t < (E >> (j + 1))) {
+        const float a = s[2 * t], b = s[2 * t + 1];
+        s[t] = __fadd_rn(upper ? b : a, __shfl_xor_sync(FULL, upper ? a : b, m));
+      }
+  }
 #pragma unroll
-  for (int step = 1; step <= 5; ++step)  // half = 16, 8, .., 1 (constant bounds: fully unrolled, s stays in registers)
+  for (int bit = 4; bit >= LOG_LANES; --bit)  // constant bounds: fully unrolled, s stays in registers
 #pragma unroll
-    for (int r = 0; r < E / 2; ++r)
-      if (r < (E >> step)) s[r] = __fadd_rn(s[r], s[r + (E >> step)]);
-  return s[0];
+    for (int c = 0; c < E / 2; ++c)
+      if (c < (1 << (bit - LOG_LANES))) s[c] = __fadd_rn(s[c], s[c + (1 << (bit - LOG_LANES))]);
+  float v = s[0];
+#pragma unroll
+  for (int bit = LOG_LANES - 1; bit >= 0; --bit) v = __fadd_rn(v, __shfl_xor_sync(FULL, v, LANES >> (bit + 1)));
+  return v;
 }
 
 // quant.fwht: stage h pairs i and i + h, h = 1, 2, ..: a + b and a - b; then one scaling by 1/sqrt(G).
@@ -206,7 +221,7 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
 }
 
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
-__device__ __forceinline__ float group_rms(const float (&v)[E]) {
+__device__ __forceinline__ float group_rms(const float (&v)[E], int lane) {
   const float absmax = group_absmax(v);
   const float safe = absmax > 0.0f ? fmaxf(absmax, TINY) : 1.0f;
   const float inv = __frcp_rn(safe);
@@ -216,7 +231,7 @@ __device__ __forceinline__ float group_rms(const float (&v)[E]) {
     const float t = __fmul_rn(v[r], inv);
     s[r] = __fmul_rn(t, t);
   }
-  const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(group_pairwise_sum(s), (float)G)));
+  const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(group_pairwise_sum(s, lane), (float)G)));
   return rms > 0.0f ? fmaxf(rms, TINY) : safe;
 }
 
@@ -255,7 +270,7 @@ __device__ __forceinline__ float cast_transform_input(float v) {
 __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre) {
   pre = 1.0f;
 #if TACO_DUAL
-  pre = group_rms(v);
+  pre = group_rms(v, lane);
   const float inv_pre = __frcp_rn(pre);
 #pragma unroll
   for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], inv_pre);
@@ -286,7 +301,7 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
     y[r] = __fmul_rn(a, a);
     dp[r] = __fmul_rn(b, b);
   }
-  const bool use_t = group_pairwise_sum(y) < group_pairwise_sum(dp);
+  const bool use_t = group_pairwise_sum(y, lane) < group_pairwise_sum(dp, lane);
   if (!use_t) q = qp;
   scale = use_t ? -scale : sp;
 #endif
