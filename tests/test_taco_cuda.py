@@ -91,6 +91,10 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.compress_into(x, cfg, buf[:-4], segments=2)
     with pytest.raises(ValueError, match="need CUDA tensors"):
         cuda.compress_into(x, cfg, buf)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        quant.compress(x, cfg, impl="cuda")
+    with pytest.raises(ValueError, match="impl must be 'reference', 'triton' or 'cuda'"):
+        quant.compress(x, cfg, impl="cutlass")
     c = quant.compress(x, cfg)  # separate tensors, not one packed buffer
     with pytest.raises(ValueError, match="packed messages"):
         cuda.gather_into([c], torch.empty(x.numel()))
@@ -162,6 +166,11 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
             for dtype in DTYPES:
                 if not same_bits(cuda.decompress(ker, dtype).cpu(), quant.decompress(ref, dtype)):
                     failures.append(f"decompress {cfg} {data.dtype} -> {dtype}")
+            # through quant's impl switch, from the reference's unpacked tensors too
+            ref_dev = quant.Compressed(ref.payload.to(dev), ref.scale.to(dev),
+                                       None if ref.pre_scale is None else ref.pre_scale.to(dev), ref.shape, ref.dtype, cfg)
+            if not same_bits(quant.decompress(ref_dev, impl="cuda").cpu(), quant.decompress(ref)):
+                failures.append(f"quant.decompress(impl='cuda') of an unpacked Compressed {cfg} {data.dtype}")
         # several messages: gather into place, sum in order (-0.0 kept by the first term)
         xs = [gaussian((5, 300), seed=s) for s in range(3)]
         refs = [quant.compress(x, cfg) for x in xs]

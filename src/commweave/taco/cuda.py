@@ -2,10 +2,12 @@
 sums several packed messages (peers' windows included) in one launch.
 
 Why beside the Triton kernels (`kernels.py`): their butterflies reshape/permute a [rows, G] tile,
-which Triton lowers to shared-memory round trips; here a warp holds a group in registers (G/32
-elements per lane) and the transform is in-register butterflies then warp shuffles. The collectives
-also want what one Triton launch per peer cannot give: one kernel reading every rank's message,
-summing in FP32 in rank order and casting once (no FP32 accumulator in memory).
+which Triton lowers to shared-memory round trips; here a lane holds 32 contiguous elements and a
+group spans G/32 lanes, so most butterflies are in registers and the rest warp shuffles (2x faster
+compression at TACO's defaults, NOTES.md). The collectives also want what one Triton launch per peer
+cannot give: one kernel reading every rank's message, summing in FP32 in rank order and casting once
+(no FP32 accumulator in memory), a reduce-scatter's own chunk added raw, two-shot's requantization
+in the same pass.
 
 Same bits as `quant.py` for every QuantConfig (see the .cu's header for how); the GPU tests check
 it against the reference. One cubin per (config, input or output dtype, sources summed), compiled
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from commweave.taco.quant import Compressed, QuantConfig, packed_view
+from commweave.taco.quant import Compressed, QuantConfig, pack, packed_view
 
 SOURCE = Path(__file__).with_name("taco_kernels.cu")
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -32,7 +34,8 @@ _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
 MAX_SOURCES = 8  # `Sources` in the .cu
 THREADS = 256
 # register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
-# fewer registers; the largest without spills at the defaults, bench/probe_taco_kernels.py)
+# fewer registers; measured with bench/probe_taco_kernels.py: compress is fastest at 2 and spills
+# at 3, gather is as fast at 2, 3 or 4)
 MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 4, "sum": 2}
 _GRID_BLOCKS_PER_SM = 8  # grid size cap; warps loop over the remaining work
 
@@ -253,7 +256,12 @@ def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.d
 
 
 def decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`quant.decompress` in one kernel."""
+    """`quant.decompress` in one kernel (a Compressed whose tensors are not one packed buffer, e.g.
+    the reference's, is packed first: one copy)."""
+    try:
+        _packed_address(c)
+    except ValueError:
+        c = packed_view(pack(c), c.shape, c.dtype, c.config)
     out = torch.empty(c.shape, dtype=dtype or c.dtype, device=c.payload.device)
     gather_into([c], out)
     return out

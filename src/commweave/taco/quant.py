@@ -48,7 +48,8 @@ Sums (the RMS's sum of squares, the adaptive mode's L2 errors) are pairwise in a
 RMS's square root is correctly rounded (`_sqrt_rn`), so that the fused Triton kernels
 (`kernels.py`) can reproduce every bit of this reference.
 
-Works on CPU and on CUDA tensors alike (pure torch). `compress(..., impl="triton")` and
+Works on CPU and on CUDA tensors alike (pure torch). `impl="cuda"` runs the CUDA kernels
+(`cuda.py`, CUDA tensors); `compress(..., impl="triton")` and
 `decompress(..., impl="triton")` run the fused Triton kernels instead (CUDA tensors compiled; CPU
 tensors only under TRITON_INTERPRET=1, Triton's interpreter); the reference stays the default.
 """
@@ -66,7 +67,7 @@ FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.ite
 TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_GROUP, MAX_GROUP = 32, 512
 _TINY = torch.finfo(torch.float32).smallest_normal
-Impl = Literal["reference", "triton"]
+Impl = Literal["reference", "triton", "cuda"]
 
 
 @dataclass(frozen=True)
@@ -231,13 +232,16 @@ def _rms(g: torch.Tensor) -> torch.Tensor:
 def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "reference") -> Compressed:
     """Compress `x` (any shape, floating point) to FP8 groups with their scales.
 
-    impl="triton" runs the fused kernel (same bits as this reference; see kernels.py)."""
+    impl="triton" / "cuda" runs a fused kernel (same bits as this reference; kernels.py, cuda.py)."""
     cfg = cfg or QuantConfig()
     if impl == "triton":
         from commweave.taco import kernels
         return kernels.compress(x, cfg)
+    if impl == "cuda":
+        from commweave.taco import cuda
+        return cuda.compress(x, cfg)
     if impl != "reference":
-        raise ValueError(f"impl must be 'reference' or 'triton', got {impl!r}")
+        raise ValueError(f"impl must be 'reference', 'triton' or 'cuda', got {impl!r}")
     if not x.is_floating_point():
         raise TypeError(f"compress needs a floating-point tensor, got {x.dtype}")
     g = _groups(x, cfg)
@@ -272,12 +276,15 @@ def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Te
 def decompress(c: Compressed, dtype: torch.dtype | None = None, impl: Impl = "reference") -> torch.Tensor:
     """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from).
 
-    impl="triton" runs the fused kernel (same bits as this reference; see kernels.py)."""
+    impl="triton" / "cuda" runs a fused kernel (same bits as this reference; kernels.py, cuda.py)."""
     if impl == "triton":
         from commweave.taco import kernels
         return kernels.decompress(c, dtype)
+    if impl == "cuda":
+        from commweave.taco import cuda
+        return cuda.decompress(c, dtype)
     if impl != "reference":
-        raise ValueError(f"impl must be 'reference' or 'triton', got {impl!r}")
+        raise ValueError(f"impl must be 'reference', 'triton' or 'cuda', got {impl!r}")
     if c.config.hadamard == "adaptive":  # a negative scale marks a transformed group
         g = c.payload.float() * c.scale.abs()[:, None]
         transformed = c.scale < 0
