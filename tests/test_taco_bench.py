@@ -33,3 +33,14 @@ def test_error_table_pieces_on_a_tiny_run():
     stats = {name: bench.stats(t) for name, t in small.items()}
     text = bench.markdown(rows, info, stats, "x.json")
     assert text.count("| TACO |") == len(bench.configs()) and "## E5M2" in text
+
+
+def test_bandwidth_plot_from_rows(tmp_path):
+    """bench/taco_bandwidth.py draws one panel per op from a run's rows (also --plot of a file)."""
+    spec = importlib.util.spec_from_file_location("taco_bandwidth", BENCH.with_name("taco_bandwidth.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"op": op, "mib": mib, "world": 2, "nccl_GBps": 100.0 * mib ** 0.3, "cuda_GBps": 90.0 * mib ** 0.35,
+             "cuda_speedup": 0.9 * mib ** 0.05} for op in module.OPS for mib in (1, 16, 256)]
+    path = module.plot(rows, tmp_path / "bw.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
