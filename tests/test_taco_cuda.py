@@ -17,20 +17,12 @@ import pytest
 import torch
 
 from commweave.runtime.compile import compile_cubin
-from commweave.runtime.toolchain import nvcc_path
 from commweave.taco import cuda, quant
 from commweave.taco.quant import QuantConfig
+from cuda_host import toolchain_or_skip
 from taco_jobs import edge_inputs, gaussian, same_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _have_nvcc() -> bool:
-    try:
-        nvcc_path()
-        return True
-    except Exception:  # noqa: BLE001 - any failure to find it means: skip
-        return False
 
 
 def _compile_cases() -> list[tuple[QuantConfig, torch.dtype, int]]:
@@ -45,8 +37,8 @@ def _compile_cases() -> list[tuple[QuantConfig, torch.dtype, int]]:
     return cases
 
 
-@pytest.mark.skipif(not _have_nvcc(), reason="nvcc is not installed")
 def test_every_specialization_class_compiles_for_sm90():
+    toolchain_or_skip()
     cases = _compile_cases()
     with ThreadPoolExecutor(8) as pool:
         logs = list(pool.map(lambda c: compile_cubin(cuda.specialization(*c)).log, cases))

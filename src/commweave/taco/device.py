@@ -259,23 +259,30 @@ class DeviceCollectives:
         self._read_at[key] = self.barriers
         return out.view(world * shape[0], *shape[1:])
 
-    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
-        """Chunk `rank` (of x split along dim 0) summed over ranks; chunk q != rank compressed into
-        segment q of the buffer (at q * packed_stride), rank q reads segment q of every other rank's
-        buffer and takes its own chunk exactly."""
-        _check_input(x, self.t.device)
+    def _scatter(self, op: str, x: torch.Tensor, cfg: QuantConfig) -> tuple[Hashable, list[Compressed | torch.Tensor]]:
+        """A reduce-scatter's exchange: chunk q != rank of x (split along dim 0) compressed into
+        segment q of this rank's buffer (at q * packed_stride), a barrier, then this rank's parts of
+        the sum in rank order: segment `rank` of every other rank's buffer, and its own chunk exactly.
+        The caller sums the parts and records the buffer key's read."""
         world, rank = self.t.world_size, self.t.rank
-        _check_dim0(x, world)
         chunk_shape = (x.shape[0] // world, *x.shape[1:])
-        stride = cfg.packed_stride(math.prod(chunk_shape))
-        key, buf = self._buffer("reduce_scatter", tuple(x.shape), x.dtype, cfg, world * stride)
+        numel = math.prod(chunk_shape)
+        stride = cfg.packed_stride(numel)
+        key, buf = self._buffer(op, tuple(x.shape), x.dtype, cfg, world * stride)
         self.codec.compress_into(x, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
         self._barrier()
-        out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
         lo = rank * stride
         parts: list[Compressed | torch.Tensor] = list(
-            self._messages(buf, lo, lo + cfg.wire_bytes(math.prod(chunk_shape)), chunk_shape, x.dtype, cfg))
+            self._messages(buf, lo, lo + cfg.wire_bytes(numel), chunk_shape, x.dtype, cfg))
         parts[rank] = x.view(world, -1)[rank].view(chunk_shape)  # own chunk, exact (as the reference)
+        return key, parts
+
+    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+        """Chunk `rank` (of x split along dim 0) summed over ranks (see _scatter)."""
+        _check_input(x, self.t.device)
+        _check_dim0(x, self.t.world_size)
+        key, parts = self._scatter("reduce_scatter", x, cfg)
+        out = torch.empty((x.shape[0] // self.t.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         self.codec.sum_into(parts, out)
         self._read_at[key] = self.barriers
         return out
@@ -299,19 +306,12 @@ class DeviceCollectives:
             self.codec.sum_into(self._messages(buf, 0, nbytes, shape, x.dtype, cfg), out)
             self._read_at[key] = self.barriers
             return out
-        rank = self.t.rank
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
         padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel())).view(world, per_rank)
-        # phase 1, a reduce-scatter: chunks to their ranks (own chunk kept exact)
-        stride, wire = cfg.packed_stride(per_rank), cfg.wire_bytes(per_rank)
-        key1, buf1 = self._buffer("two_shot_scatter", (world, per_rank), x.dtype, cfg, world * stride)
-        self.codec.compress_into(padded, cfg, buf1, segments=world, skip=rank)
-        self._barrier()
-        parts: list[Compressed | torch.Tensor] = list(self._messages(buf1, rank * stride, rank * stride + wire,
-                                                                     (1, per_rank), x.dtype, cfg))
-        parts[rank] = padded[rank].view(1, per_rank)
+        key1, parts = self._scatter("two_shot_scatter", padded, cfg)  # phase 1: a reduce-scatter's exchange
         # phase 2, an all-gather of the reduced chunk, requantized in x's dtype by the summing kernel
+        wire = cfg.wire_bytes(per_rank)
         key2, buf2 = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg, wire)
         self.codec.sum_compress_into(parts, x.dtype, cfg, buf2)
         self._read_at[key1] = self.barriers

@@ -341,13 +341,6 @@ def packed_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: t
 
 
 def unpack(buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
-    """Inverse of pack() for a tensor of `shape`/`dtype` compressed with `cfg`."""
-    shape = torch.Size(shape)
-    groups = cfg.num_groups(math.prod(shape))
-    n_payload = groups * cfg.group_size
-    if buf.numel() != cfg.wire_bytes(math.prod(shape)) or buf.dtype != torch.uint8:
-        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
-    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
-    scale = buf[n_payload:n_payload + 4 * groups].clone().view(torch.float32)
-    pre = buf[n_payload + 4 * groups:].clone().view(torch.float32) if cfg.dual_scale else None
-    return Compressed(payload, scale, pre, shape, dtype, cfg)
+    """Inverse of pack() for a tensor of `shape`/`dtype` compressed with `cfg`: a copy of the buffer
+    (which may sit at any byte offset, e.g. a slice of a received batch), viewed as packed_view does."""
+    return packed_view(buf.clone(), shape, dtype, cfg)

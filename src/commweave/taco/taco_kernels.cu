@@ -335,6 +335,31 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 #endif
 }
 
+// Compress this lane's part of a work item (every lane takes part: shuffles) and store it into the
+// packed message at `payload` (groups past the message's end are dropped): a whole item's payload
+// through the warp's stage (coalesced), else lane by lane; the first lane of a group its scales.
+__device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t* stage, uint8_t* payload,
+                                               long long groups, long long item_first) {
+  Payload q;
+  float scale, pre;
+  compress_group(v, lane, q, scale, pre);
+  const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+  const long long first = item_first + lane * E, group = first / G;
+  if (item_first + ITEM <= groups * G) {  // warp-uniform
+    store_staged<E>(stage, pieces, payload + item_first, lane);
+  } else if (group < groups) {
+    reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
+    reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+  }
+  if (group < groups && lane % LANES == 0) {
+    float* scales = reinterpret_cast<float*>(payload + groups * G);
+    scales[group] = scale;
+#if TACO_DUAL
+    scales[groups + group] = pre;
+#endif
+  }
+}
+
 // -- kernels -------------------------------------------------------------------------------------
 
 struct Sources {
@@ -358,31 +383,10 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
     const long long seg = item / per_segment;
     if (seg == skip) continue;  // warp-uniform
-    const long long first = (item - seg * per_segment) * ITEM + lane * E;  // this lane's first element
-    const long long group = first / G;
+    const long long item_first = (item - seg * per_segment) * ITEM, first = item_first + lane * E;
     float v[E];
     load_lane(x + seg * x_stride + first, first, numel, vec, v);
-    Payload q;
-    float scale, pre;
-    compress_group(v, lane, q, scale, pre);  // every lane takes part (shuffles); groups past the end are dropped
-    uint8_t* payload = buf + seg * buf_stride;
-    const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
-    const long long item_first = first - lane * E;
-    if (item_first + ITEM <= groups * G) {  // the whole item's payload exists: coalesced through the stage
-      store_staged<E>(stage[threadIdx.x / 32], pieces, payload + item_first, lane);
-    } else if (group < groups) {
-      reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
-      reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
-    }
-    if (group < groups) {
-      if (lane % LANES == 0) {
-        float* scales = reinterpret_cast<float*>(payload + groups * G);
-        scales[group] = scale;
-#if TACO_DUAL
-        scales[groups + group] = pre;
-#endif
-      }
-    }
+    compress_store(v, lane, stage[threadIdx.x / 32], buf + seg * buf_stride, groups, item_first);
   }
 }
 
@@ -480,25 +484,7 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
       // quant: the sum cast to the dtype (padding past numel is zero, as compress pads), compressed
 #pragma unroll
       for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(from_float<TACO_OUT>(acc[r])) : 0.0f;
-      Payload q;
-      float scale, pre;
-      compress_group(v, lane, q, scale, pre);
-      uint8_t* payload = static_cast<uint8_t*>(out_);
-      const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
-      const long long group = first / G;
-      if (item_first + ITEM <= groups * G) {
-        store_staged<E>(my_stage, pieces, payload + item_first, lane);
-      } else if (group < groups) {
-        reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
-        reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
-      }
-      if (group < groups && lane % LANES == 0) {
-        float* scales = reinterpret_cast<float*>(payload + groups * G);
-        scales[group] = scale;
-#if TACO_DUAL
-        scales[groups + group] = pre;
-#endif
-      }
+      compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first);
     } else if (i == STEPS - 1) {
       T* dst = out + (SUM ? 0 : p0 * out_stride);
       if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
