@@ -1,0 +1,162 @@
+"""Weight-streaming expert GEMMs for decode, as Triton kernels (imported only on CUDA, or on CPU
+under TRITON_INTERPRET=1 in the tests).
+
+Why: at decode sizes (tens of rows per expert) the expert compute is bound by reading every local
+expert's weights once (5.6 GB a rank on 4 GPUs: 1.2 ms at HBM rate), and `torch._grouped_mm`
+reaches ~3.0 TB/s there (1.87 ms for the pair at T128, W4: bench/results/probe-moe-experts-*).
+These kernels put the weights on the wide side of the tensor-core product ("swap AB": a program
+computes W_tile[BLOCK_N, K] @ rows^T[K, BLOCK_M]), so a program streams one BLOCK_N slice of one
+expert's weights once through a deep software pipeline while a handful of rows ride along.
+
+The pool is expert-major: expert e's rows are [ends[e-1], ends[e]) (ends[-1] = 0, as
+`torch._grouped_mm`'s `offs`); rows past ends[-1] are neither read nor written. A program owns
+(expert e, output columns [n0, n0 + BLOCK_N)) and walks e's rows BLOCK_M at a time; an expert with
+no rows costs nothing, and one with more than BLOCK_M rows re-reads its slice per row block (so
+BLOCK_M should cover the usual rows per expert; prefill sizes belong to `torch._grouped_mm`).
+
+- `gate_up_swiglu`: h[r] = SiLU(x[r] @ gate_e^T) * (x[r] @ up_e^T), both products accumulated in
+  fp32 and the SiLU taken there (w13[e] = gate rows then up rows, as the workload stores it), h bf16.
+- `down`: y[r] = h[r] @ w2_e^T, fp32 accumulation, y bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and pipeline depth of one kernel (the CONFIG knobs a sweep varies)."""
+
+    block_m: int = 32  # rows per product (the tensor-core N side): cover the rows of one expert
+    block_n: int = 64  # weight rows a program owns (the tensor-core M side)
+    block_k: int = 128
+    stages: int = 4
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two of at least 16 (a tensor-core tile side), not {value}")
+        if self.stages < 1:
+            raise ValueError(f"Tiles.stages must be at least 1, not {self.stages}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tiles.warps must be one of 1, 2, 4, 8, 16, not {self.warps}")
+
+
+@triton.jit
+def _expert_rows(ends, e):
+    """Expert e's rows [start, end) in the expert-major pool."""
+    prev = tl.load(ends + tl.maximum(e - 1, 0)).to(tl.int64)
+    start = tl.where(e > 0, prev, 0)
+    end = tl.load(ends + e).to(tl.int64)
+    return start, end
+
+
+@triton.jit
+def _gate_up_swiglu_kernel(x, w13, h, ends, inter, hidden, sx, sw_e, sw_n, sh,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_live = n < inter
+    start, end = _expert_rows(ends, e)
+    w_gate = w13 + e.to(tl.int64) * sw_e + n[:, None].to(tl.int64) * sw_n
+    w_up = w_gate + inter * sw_n
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_live = rows < end
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                xt = tl.load(x + rows[None, :] * sx + k[:, None], mask=r_live[None, :], other=0.0)
+                wg = tl.load(w_gate + k[None, :], mask=n_live[:, None], other=0.0)
+                wu = tl.load(w_up + k[None, :], mask=n_live[:, None], other=0.0)
+            else:
+                k_live = k < hidden
+                xt = tl.load(x + rows[None, :] * sx + k[:, None], mask=r_live[None, :] & k_live[:, None], other=0.0)
+                wg = tl.load(w_gate + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+                wu = tl.load(w_up + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+            acc_gate = tl.dot(wg, xt, acc_gate)
+            acc_up = tl.dot(wu, xt, acc_up)
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        tl.store(h + rows[None, :] * sh + n[:, None], act.to(h.dtype.element_ty), mask=r_live[None, :] & n_live[:, None])
+
+
+@triton.jit
+def _down_kernel(h, w2, y, ends, hidden, inter, sh, sw_e, sw_n, sy,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    e = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_live = n < hidden
+    start, end = _expert_rows(ends, e)
+    w = w2 + e.to(tl.int64) * sw_e + n[:, None].to(tl.int64) * sw_n
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        r_live = rows < end
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                ht = tl.load(h + rows[None, :] * sh + k[:, None], mask=r_live[None, :], other=0.0)
+                wt = tl.load(w + k[None, :], mask=n_live[:, None], other=0.0)
+            else:
+                k_live = k < inter
+                ht = tl.load(h + rows[None, :] * sh + k[:, None], mask=r_live[None, :] & k_live[:, None], other=0.0)
+                wt = tl.load(w + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+            acc = tl.dot(wt, ht, acc)
+        tl.store(y + rows[None, :] * sy + n[:, None], acc.to(y.dtype.element_ty), mask=r_live[None, :] & n_live[:, None])
+
+
+def _check(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, k_dim: int, name: str) -> None:
+    if rows.dim() != 2 or weights.dim() != 3:
+        raise ValueError(f"{name}: rows must be 2-D and weights [experts, out, in], not {tuple(rows.shape)} and {tuple(weights.shape)}")
+    if rows.shape[1] != k_dim or weights.shape[2] != k_dim:
+        raise ValueError(f"{name}: rows {tuple(rows.shape)} and weights {tuple(weights.shape)} disagree on the inner size {k_dim}")
+    if rows.stride(1) != 1 or weights.stride(2) != 1:
+        raise ValueError(f"{name}: rows and weights must be contiguous along the inner dimension")
+    if ends.shape != (weights.shape[0],) or ends.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: ends must be int32/int64 with one entry per expert ({weights.shape[0]}), "
+                         f"not {ends.dtype} {tuple(ends.shape)}")
+
+
+def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, ends: torch.Tensor, tiles: Tiles = Tiles(),
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """h [rows, I] = SiLU(x @ gate^T) * (x @ up^T) per expert over the expert-major rows of x
+    (w13 [E, 2I, H]); rows past ends[-1] of the result are left as they were (unwritten)."""
+    _check(x, w13, ends, x.shape[1], "gate_up_swiglu")
+    if w13.shape[1] % 2:
+        raise ValueError(f"gate_up_swiglu: w13 holds gate rows then up rows, an even count, not {w13.shape[1]}")
+    inter, hidden = w13.shape[1] // 2, x.shape[1]
+    h = out if out is not None else x.new_empty(x.shape[0], inter)
+    if h.shape != (x.shape[0], inter) or h.stride(1) != 1:
+        raise ValueError(f"gate_up_swiglu: out must be [{x.shape[0]}, {inter}] and contiguous by row, not {tuple(h.shape)}")
+    grid = (w13.shape[0], triton.cdiv(inter, tiles.block_n))
+    _gate_up_swiglu_kernel[grid](x, w13, h, ends, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+                                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                                 STAGES=tiles.stages, EVEN_K=hidden % tiles.block_k == 0, num_warps=tiles.warps)
+    return h
+
+
+def down(h: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, tiles: Tiles = Tiles(),
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [rows, H] = h @ w2_e^T per expert over the expert-major rows of h (w2 [E, H, I]); rows
+    past ends[-1] of the result are left unwritten."""
+    _check(h, w2, ends, h.shape[1], "down")
+    hidden, inter = w2.shape[1], h.shape[1]
+    y = out if out is not None else h.new_empty(h.shape[0], hidden)
+    if y.shape != (h.shape[0], hidden) or y.stride(1) != 1:
+        raise ValueError(f"down: out must be [{h.shape[0]}, {hidden}] and contiguous by row, not {tuple(y.shape)}")
+    grid = (w2.shape[0], triton.cdiv(hidden, tiles.block_n))
+    _down_kernel[grid](h, w2, y, ends, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                       STAGES=tiles.stages, EVEN_K=inter % tiles.block_k == 0, num_warps=tiles.warps)
+    return y
