@@ -525,14 +525,122 @@ def test_template(wl: MoELayer) -> None:
     assert (config["comm_ctas"], config["swiglu"], config["wait"], config["combine_ctas"]) == (32, "torch", "stream", 128)
     assert "overlap" not in config
     values = template.dimension_values(4)
+    assert values["knob:experts"] == ("auto", "grouped", "streamed")
     assert values["knob:swiglu"] == ("fused", "torch") and values["comm_ctas"] == (4, 8, 16, 32, 64)
     assert values["knob:combine_ctas"] == (16, 32, 64, 128)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("config", [dict(swiglu="torch"), dict(combine_ctas=16, comm_ctas=4), dict(wait="stream", graph=False)])
+@pytest.mark.parametrize("config", [dict(experts="grouped"), dict(experts="grouped", swiglu="torch"), dict(experts="streamed"),
+                                    dict(combine_ctas=16, comm_ctas=4), dict(wait="stream", graph=False)])
 def test_seed_variants_on_gpus(wl: MoELayer, world: int, config: dict) -> None:
-    """The torch SwiGLU, few CTAs (many rows per warp) and the stream-wait path, on the check
-    shapes and decode at full size."""
+    """Both expert paths (grouped GEMMs with the fused or the torch SwiGLU; the streamed Triton
+    pair also where experts get more rows than one tile), few CTAs (many rows per warp) and the
+    stream-wait path, on the check shapes and decode at full size."""
     check_on_gpus("moe", "seed", world, [*(s.label for s in wl.check_shapes(world)), "dsv3-T128"], seed=9, config=config)
+
+
+INTERPRETED_EXPERTS = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run in numpy on CPU
+import torch
+import torch.nn.functional as F
+from commweave.workloads.moe import experts
+
+g = torch.Generator().manual_seed(0)
+# (H, I, rows per expert, tiles): an expert with no rows, one spanning several row tiles, an
+# inner size that is no multiple of BLOCK_K, output columns that leave a partial tile
+cases = [(136, 40, [3, 0, 40, 5], experts.Tiles(block_m=16, block_n=32, block_k=64, stages=2)),
+         (256, 64, [16, 17, 1], experts.Tiles(block_m=32, block_n=16, block_k=128, stages=3))]
+for hidden, inter, counts, tiles in cases:
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = int(ends[-1]) + 5  # rows past the last end must stay untouched
+    x = torch.randn(rows, hidden, generator=g)
+    w13 = torch.randn(len(counts), 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(len(counts), hidden, inter, generator=g) / inter**0.5
+    h = experts.gate_up_swiglu(x, w13, ends, tiles, out=torch.full((rows, inter), float("nan")))
+    y = experts.down(h, w2, ends, tiles, out=torch.full((rows, hidden), float("nan")))
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        gate_up = x[start:end] @ w13[e].T
+        want_h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        assert torch.allclose(h[start:end], want_h, atol=1e-4, rtol=1e-4), (e, (h[start:end] - want_h).abs().max())
+        assert torch.allclose(y[start:end], h[start:end] @ w2[e].T, atol=1e-4, rtol=1e-4), e
+        start = end
+    assert h[start:].isnan().all() and y[start:].isnan().all()
+print("experts ok")
+"""
+
+
+def test_streamed_experts_in_the_triton_interpreter(tmp_path: Path) -> None:
+    """The weight-streaming expert kernels (GPU code) run on CPU under TRITON_INTERPRET=1 and equal
+    per-expert matmuls: empty experts, several row tiles, ragged inner and output sizes, rows past
+    the last end untouched."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = tmp_path / "experts.py"
+    script.write_text(INTERPRETED_EXPERTS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "experts ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_streamed_experts_tiles_and_errors() -> None:
+    pytest.importorskip("triton")
+    from commweave.workloads.moe import experts
+
+    assert experts.tiles_for(8) == experts.tiles_for(32) == experts.STREAMED_TILES[32]
+    assert experts.tiles_for(33) == experts.STREAMED_TILES[64]
+    with pytest.raises(ValueError, match="up to 64 rows per expert"):
+        experts.tiles_for(65)
+    for bad, message in ((dict(block_m=24), "block_m must be a power of two"), (dict(block_k=8), "block_k must be"),
+                         (dict(stages=0), "stages must be at least 1"), (dict(warps=3), "warps must be one of")):
+        with pytest.raises(ValueError, match=message):
+            experts.Tiles(**bad)
+    x, w13, ends = torch.zeros(4, 16), torch.zeros(2, 8, 16), torch.tensor([1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="disagree on the inner size"):
+        experts.gate_up_swiglu(x, torch.zeros(2, 8, 32), ends)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        experts.gate_up_swiglu(x, w13, torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="an even count"):
+        experts.gate_up_swiglu(x, torch.zeros(2, 7, 16), ends)
+    with pytest.raises(ValueError, match="out must be"):
+        experts.down(torch.zeros(4, 16), torch.zeros(2, 8, 16), ends, out=torch.zeros(4, 9))
+    with pytest.raises(ValueError, match="contiguous along the inner"):
+        experts.down(torch.zeros(16, 4).T, torch.zeros(2, 8, 16), ends)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,experts_n,rows_per_expert", [(136, 40, 16, 33), (7168, 2048, 64, 16), (7168, 2048, 8, 70)])
+def test_streamed_experts_on_gpu(hidden: int, inter: int, experts_n: int, rows_per_expert: int) -> None:
+    """The streamed pair in bf16 on one GPU against per-expert fp32 matmuls of the same bf16
+    operands: random rows per expert (some empty, some over a row tile), NaN-poisoned outputs past
+    the last end left untouched, relative error within the bf16 tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from commweave.workloads.moe import experts
+
+    g = torch.Generator(device="cuda").manual_seed(hidden + experts_n)
+    counts = torch.randint(0, 2 * rows_per_expert + 1, (experts_n,), generator=g, device="cuda")
+    counts[0] = 0
+    ends = counts.cumsum(0).to(torch.int32)
+    rows = int(ends[-1]) + 7
+    x = torch.randn(rows, hidden, generator=g, device="cuda").bfloat16()
+    w13 = (torch.randn(experts_n, 2 * inter, hidden, generator=g, device="cuda") / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts_n, hidden, inter, generator=g, device="cuda") / inter**0.5).bfloat16()
+    tiles = experts.tiles_for(min(rows_per_expert, experts.STREAMED_MAX_ROWS))
+    h = experts.gate_up_swiglu(x, w13, ends, tiles[0], out=torch.full((rows, inter), float("nan"), device="cuda").bfloat16())
+    y = experts.down(h, w2, ends, tiles[1], out=torch.full((rows, hidden), float("nan"), device="cuda").bfloat16())
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            gate_up = x[start:end].float() @ w13[e].float().T
+            want_h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            want_y = h[start:end].float() @ w2[e].float().T
+            for got, want in ((h[start:end].float(), want_h), (y[start:end].float(), want_y)):
+                error = ((got - want).norm() / want.norm()).item()
+                assert error < 1e-2, f"expert {e}: relative error {error:.3g}"
+        start = end
+    assert h[start:].isnan().all() and y[start:].isnan().all()

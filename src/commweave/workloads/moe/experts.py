@@ -49,6 +49,24 @@ class Tiles:
             raise ValueError(f"Tiles.warps must be one of 1, 2, 4, 8, 16, not {self.warps}")
 
 
+#: measured best tiles (bench/results/probe-moe-experts-1gpu-20261201T041232Z.json), keyed by the
+#: largest balanced rows per local expert they serve: (gate_up tiles, down tiles)
+STREAMED_TILES = {
+    32: (Tiles(block_m=32, block_n=128, block_k=128, stages=3), Tiles(block_m=32, block_n=64, block_k=128, stages=3)),
+    64: (Tiles(block_m=64, block_n=64, block_k=64, stages=3), Tiles(block_m=64, block_n=128, block_k=64, stages=3)),
+}
+#: beyond this many rows per expert `torch._grouped_mm` is faster (512 rows: 4.5 ms against 14.4)
+STREAMED_MAX_ROWS = max(STREAMED_TILES)
+
+
+def tiles_for(rows_per_expert: float) -> tuple[Tiles, Tiles]:
+    """The measured tiles for experts that receive about this many rows each."""
+    if rows_per_expert > STREAMED_MAX_ROWS:
+        raise ValueError(f"the streamed experts serve up to {STREAMED_MAX_ROWS} rows per expert, not {rows_per_expert:g}: "
+                         "use torch._grouped_mm")
+    return STREAMED_TILES[min(m for m in STREAMED_TILES if rows_per_expert <= m)]
+
+
 @triton.jit
 def _expert_rows(ends, e):
     """Expert e's rows [start, end) in the expert-major pool."""

@@ -8,7 +8,7 @@ What the seed implements, and so what this template renders:
 - comm CTAs -> CONFIG `comm_ctas` (the dispatch kernel's CTAs);
 - chunk bytes: the seed signals once per (source, destination), so one value stands for "no
   chunking" (a per-chunk sync is not implemented and is rejected);
-- template knobs: `threads`, `combine_ctas`, `combine_threads`, `comm_priority`, `swiglu`,
+- template knobs: `threads`, `combine_ctas`, `combine_threads`, `comm_priority`, `experts`, `swiglu`,
   `wait`, `graph` (the seed's).
 Everything else is rejected with the reason.
 """
@@ -30,6 +30,7 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "combine_ctas": (16, 32, 64, 128),
     "combine_threads": (128, 256, 512),
     "comm_priority": (-1, 0),
+    "experts": ("auto", "grouped", "streamed"),
     "swiglu": ("fused", "torch"),
     "wait": ("kernel", "stream"),
     "graph": (True, False),
@@ -61,7 +62,7 @@ class MoETemplate(Template):
         return DirectiveSet.make(backend="lsa", placement="split", sync="peer", issuer="cta", comm_ctas=16,
                                  chunk_bytes=REGION, language="cuda",
                                  knobs=dict(threads=512, combine_ctas=64, combine_threads=512, comm_priority=-1,
-                                            swiglu="fused", wait="kernel", graph=True))
+                                            experts="auto", swiglu="fused", wait="kernel", graph=True))
 
     def default_shape(self, world_size: int) -> Shape:
         return self.wl.dsv3_shape(4096, world_size)

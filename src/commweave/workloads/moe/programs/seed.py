@@ -31,10 +31,13 @@ One call (captured once per input/output addresses as a CUDA graph and replayed)
     d's flags[me] (release, system scope). Pulling the counts needs no second barrier: pushing
     them into each destination's `cnt` would, and since LSA barrier sessions are per CTA index
     (CTA b meets only CTA b of the other ranks), every CTA would have to push them.
- 3. current stream: wait until flags[0..W) all == comm_ctas, then the SwiGLU over pool[0:W*R] as
-    two `torch._grouped_mm` with group ends cumsum_e(sum_s cnt[s, e]) (`routing.expert_group_ends`,
-    on device; rows past the last end are ignored by the GEMMs and, with `swiglu="fused"`, by the
-    fused SiLU*up kernel, which reads the row total from cnt). Each expert's weights are read once.
+ 3. current stream: wait until flags[0..W) all == comm_ctas, then the SwiGLU over pool[0:W*R]
+    with group ends cumsum_e(sum_s cnt[s, e]) (`routing.expert_group_ends`, on device; rows past
+    the last end are ignored). CONFIG `experts`: "grouped" runs two `torch._grouped_mm` (with
+    `swiglu="fused"` a SiLU*up kernel between them that reads the row total from cnt); "streamed"
+    runs the weight-streaming Triton pair of `workloads/moe/experts.py` (SiLU*up fused into the
+    first), faster at decode sizes; "auto" picks streamed when the balanced rows per local expert,
+    T*K*W/E, are at most `experts.STREAMED_MAX_ROWS`. Each expert's weights are read once.
  4. current stream: `moe_combine` (`combine_ctas` CTAs) walks the valid rows: scales row i by its
     weight (fp32, rounded to bf16) and stores it at row pair[i] of rank src[i]'s `back`; then
     every CTA adds 1 to every rank's flags[W + me].
@@ -71,8 +74,10 @@ CONFIG = dict(
     combine_ctas=64,  # CTAs of the combine kernel (nothing overlaps it: give it bandwidth)
     combine_threads=512,  # threads per combine CTA
     comm_priority=-1,  # stream priority of the dispatch (negative: ahead of other work's CTAs)
-    swiglu="fused",  # "fused": one kernel, SiLU(gate)*up in fp32 over the valid rows only;
-    # "torch": F.silu(gate) * up over the whole pool (rows past the total included)
+    experts="auto",  # "grouped": torch._grouped_mm pair; "streamed": weight-streaming Triton pair;
+    # "auto": streamed up to experts.STREAMED_MAX_ROWS balanced rows per local expert (decode)
+    swiglu="fused",  # with "grouped": "fused": one kernel, SiLU(gate)*up in fp32 over the valid rows
+    # only; "torch": F.silu(gate) * up over the whole pool (rows past the total included)
     wait="kernel",  # "kernel": a 1-thread acquire spin; "stream": cuStreamWaitValue64, no SM
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
 )
@@ -300,6 +305,8 @@ def setup(ctx, shape):
             raise ValueError(f"CONFIG[{knob!r}] must be a multiple of 32 up to 1024, not {CONFIG[knob]}")
     if CONFIG["swiglu"] not in ("fused", "torch"):
         raise ValueError(f"CONFIG['swiglu'] must be 'fused' or 'torch', not {CONFIG['swiglu']!r}")
+    if CONFIG["experts"] not in ("auto", "grouped", "streamed"):
+        raise ValueError(f"CONFIG['experts'] must be 'auto', 'grouped' or 'streamed', not {CONFIG['experts']!r}")
     if CONFIG["wait"] not in ("kernel", "stream"):
         raise ValueError(f"CONFIG['wait'] must be 'kernel' or 'stream', not {CONFIG['wait']!r}")
     tokens, hidden, top_k, n_experts = shape["T"], shape["H"], shape["K"], shape["E"]
@@ -323,6 +330,11 @@ def setup(ctx, shape):
     dc = ctx.dev_comm(lsa_barriers=CONFIG["comm_ctas"])
     if dc.lsa_size != world or dc.lsa_rank != rank:
         raise RuntimeError(f"all {world} ranks must share one NVLink (LSA) domain; lsa size {dc.lsa_size}, lsa rank {dc.lsa_rank}")
+    from commweave.workloads.moe import experts as streamed_experts  # Triton: imported on CUDA only
+
+    rows_per_expert = tokens * top_k * world / n_experts  # balanced: T*K rows a rank over its E/W experts
+    streamed = CONFIG["experts"] == "streamed" or (
+        CONFIG["experts"] == "auto" and rows_per_expert <= streamed_experts.STREAMED_MAX_ROWS)
     module = ctx.compile(CUDA_SRC, "moe_seed")
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     return {
@@ -335,6 +347,8 @@ def setup(ctx, shape):
         "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "shared": shared, "swiglu_ctas": sms * SWIGLU_CTAS_PER_SM,
         "pool_rows": pool_rows, "per_rank": per_rank, "E": n_experts, "K": top_k, "I": shape["I"], "H": hidden,
         "graphs": CallGraphs(MAX_GRAPHS),
+        "streamed": (streamed_experts, streamed_experts.tiles_for(min(rows_per_expert, streamed_experts.STREAMED_MAX_ROWS)))
+        if streamed else None,
     }
 
 
@@ -361,6 +375,9 @@ def _wait(state, first, count, target, stream):
 
 def _swiglu(state, rows, w13, w2, ends):
     """SwiGLU of the expert-major pool; rows past ends[-1] are garbage and stay unused."""
+    if state["streamed"] is not None:
+        kernels, (gate_up_tiles, down_tiles) = state["streamed"]
+        return kernels.down(kernels.gate_up_swiglu(rows, w13, ends, gate_up_tiles), w2, ends, down_tiles)
     gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=ends)
     inter = state["I"]
     if CONFIG["swiglu"] == "fused":
