@@ -243,26 +243,44 @@ __device__ __forceinline__ float group_quantize(const float (&y)[E], Payload& q)
   const float absmax = group_absmax(y);
   const float scale = absmax > 0.0f ? fmaxf(__fdiv_rn(absmax, FP8_MAX), TINY) : 1.0f;
   const float inv = __frcp_rn(scale);
+  // the reference clamps to +-FP8_MAX, then rounds: satfinite rounds and saturates to the same.
+  // Two values a conversion, the first in the low byte.
 #pragma unroll
   for (int k = 0; k < E / 4; ++k) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      // the reference clamps to +-FP8_MAX, then rounds: satfinite rounds and saturates to the same
-      word |= (uint32_t)__nv_cvt_float_to_fp8(__fmul_rn(y[4 * k + r], inv), __NV_SATFINITE, FP8_KIND) << (8 * r);
-    }
-    q.w[k] = word;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(y[4 * k], inv), __fmul_rn(y[4 * k + 1], inv)),
+                                                 __NV_SATFINITE, FP8_KIND);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(y[4 * k + 2], inv), __fmul_rn(y[4 * k + 3], inv)),
+                                                 __NV_SATFINITE, FP8_KIND);
+    q.w[k] = lo | hi << 16;
   }
   return scale;
 }
 
-__device__ __forceinline__ float cast_transform_input(float v) {
+// quant's rounding of the transform input to TACO_CAST's type (after clamping to its range), two
+// values a conversion. With the dual pre-scale |v| <= sqrt(G) (a group's absmax over its RMS), so
+// the clamp can only act without it.
+__device__ __forceinline__ void cast_transform_input(float (&v)[E]) {
+#if TACO_CAST != 0
+#pragma unroll
+  for (int r = 0; r < E; r += 2) {
 #if TACO_CAST == 1
-  return __half2float(__float2half_rn(fminf(fmaxf(v, -65504.0f), 65504.0f)));
-#elif TACO_CAST == 2
-  return __bfloat162float(__float2bfloat16_rn(fminf(fmaxf(v, -3.38953139e38f), 3.38953139e38f)));
+    constexpr float LIMIT = 65504.0f;
 #else
-  return v;
+    constexpr float LIMIT = 3.38953139e38f;
+#endif
+    float a = v[r], b = v[r + 1];
+#if !TACO_DUAL
+    a = fminf(fmaxf(a, -LIMIT), LIMIT);
+    b = fminf(fmaxf(b, -LIMIT), LIMIT);
+#endif
+#if TACO_CAST == 1
+    const float2 f = __half22float2(__floats2half2_rn(a, b));
+#else
+    const float2 f = __bfloat1622float2(__floats2bfloat162_rn(a, b));
+#endif
+    v[r] = f.x;
+    v[r + 1] = f.y;
+  }
 #endif
 }
 
@@ -278,14 +296,14 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
 #if TACO_HADAMARD == 0
   scale = group_quantize(v, q);
 #elif TACO_HADAMARD == 1
-#pragma unroll
-  for (int r = 0; r < E; ++r) v[r] = cast_transform_input(v[r]);
+  cast_transform_input(v);
   group_fwht(v, lane);  // in place: the untransformed values are not needed again
   scale = group_quantize(v, q);
 #else
   float y[E];
 #pragma unroll
-  for (int r = 0; r < E; ++r) y[r] = cast_transform_input(v[r]);
+  for (int r = 0; r < E; ++r) y[r] = v[r];
+  cast_transform_input(y);
   group_fwht(y, lane);
   scale = group_quantize(y, q);
   // per group the lower L2 error of transformed / plain (quant.compress, hadamard="adaptive")
@@ -362,6 +380,11 @@ __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t*
 
 // -- kernels -------------------------------------------------------------------------------------
 
+// This thread's warp in its block, broadcast from lane 0 so the compiler knows it is warp-uniform:
+// loops bounded by it are then convergent, and the shuffles inside them need no collective
+// fallback (WARPSYNC / ENDCOLLECTIVE around each one, which cost the compress ~1/3 of its issue slots).
+__device__ __forceinline__ int warp_in_block() { return __shfl_sync(FULL, threadIdx.x / 32, 0); }
+
 struct Sources {
   unsigned long long ptr[8];  // packed messages (payload, post-scales[, pre-scales]), any rank's window
 };
@@ -375,18 +398,18 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   using T = typename Storage<TACO_IN>::T;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   const T* x = static_cast<const T*>(x_);
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = warp_in_block();
   const long long groups = (numel + G - 1) / G;
   const long long per_segment = (numel + ITEM - 1) / ITEM;
   const long long items = per_segment * segments;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; item < items; item += warps) {
+  for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + warp; item < items; item += warps) {
     const long long seg = item / per_segment;
     if (seg == skip) continue;  // warp-uniform
     const long long item_first = (item - seg * per_segment) * ITEM, first = item_first + lane * E;
     float v[E];
     load_lane(x + seg * x_stride + first, first, numel, vec, v);
-    compress_store(v, lane, stage[threadIdx.x / 32], buf + seg * buf_stride, groups, item_first);
+    compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first);
   }
 }
 
@@ -441,8 +464,8 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   constexpr int STEPS = SUM ? TACO_NSRC : 1;  // messages per item
   __shared__ __align__(16) uint8_t stage[8][32 * OUT_BYTES];
   T* out = static_cast<T*>(out_);
-  const int lane = threadIdx.x & 31;
-  uint8_t* my_stage = stage[threadIdx.x / 32];
+  const int lane = threadIdx.x & 31, warp = warp_in_block();
+  uint8_t* my_stage = stage[warp];
   const long long groups = (numel + G - 1) / G;
   const long long per_message = (numel + ITEM - 1) / ITEM;
   const long long items = SUM ? per_message : per_message * n_src;
@@ -455,7 +478,7 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     return load_message(reinterpret_cast<const uint8_t*>(src.ptr[p]), groups, item_first,
                         item_first + ITEM <= groups * G, lane);
   };
-  long long item = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32;
+  long long item = blockIdx.x * (long long)(blockDim.x / 32) + warp;
   int i = 0;
   LaneData cur{};
   if (item < items) cur = fetch(item, 0);
