@@ -2,7 +2,7 @@
 on W GPUs (issue 5's table): algorithm bandwidth per op and size, per codec.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
-        python bench/taco_bandwidth.py --gpus 4 [--mibs 1 4 16 64 256] [--codecs cuda triton]
+        python bench/taco_bandwidth.py --gpus 4 [--mibs 1 4 16 64 256] [--codecs cuda cuda-p4 triton]
 
 Writes bench/results/taco-bandwidth-<W>gpu-<UTC>.json (rows of `commweave.taco.bandwidth.measure`,
 with provenance) and a PNG beside it (bandwidth against message size, one panel per op), and prints
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from commweave.report.results import RESULTS_DIR, write_results
 from commweave.runtime import WorkerPool, apply_safe_env
+from commweave.taco import bandwidth
 from commweave.taco.bandwidth import OPS
 
 
@@ -49,11 +50,20 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def _variant(name: str) -> str:
+    try:
+        bandwidth.variant(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--mibs", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    p.add_argument("--codecs", nargs="+", default=["cuda"], choices=["cuda", "triton"])
+    p.add_argument("--codecs", nargs="+", default=["cuda"], type=_variant,
+                   help="variants: cuda, triton, or <codec>-p<pieces> (pipelined, e.g. cuda-p4)")
     p.add_argument("--double-buffer", action="store_true", help="alternate two buffers per op (one barrier a call)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--plot", type=Path, help="only redraw the PNG of this results JSON")

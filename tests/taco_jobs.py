@@ -127,6 +127,7 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
 
 import threading  # noqa: E402
 from collections import defaultdict  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from typing import Any, Callable, Hashable  # noqa: E402
 
 from commweave.taco.device import DeviceCollectives, ReferenceCodec  # noqa: E402
@@ -176,16 +177,21 @@ def reference_results(ctx, cases: list[Case]) -> list[torch.Tensor]:
 
 class FakeNode:
     """W ranks in one process (one thread each): every rank's buffers in one dict, a threading
-    barrier, and a log of who wrote / read whose buffer in which barrier epoch, from which
-    `hazards()` finds missing barriers whatever the threads' timing."""
+    barrier, per-piece flags (pipelined calls), and a log of who wrote / read whose buffer in which
+    barrier epoch and call, from which `hazards()` finds missing barriers or flag waits whatever
+    the threads' timing."""
 
     def __init__(self, world: int):
         self.world = world
         self._barrier = threading.Barrier(world)
         self._lock = threading.Lock()
+        self._flags_changed = threading.Condition(self._lock)
+        self.flags: dict[tuple[int, int, int], int] = defaultdict(int)  # (reader, writer, slot) -> epoch
         self.buffers: dict[tuple[int, Hashable], torch.Tensor] = {}
         self.allocations: dict[int, list[tuple[Hashable, int]]] = defaultdict(list)
-        self.events: list[tuple[str, int, int, Hashable, int]] = []  # (kind, actor, owner, key, epoch)
+        # (kind, actor, owner, key, barrier epoch, call: the actor's use count of key, the actor waited
+        # on a flag of the owner since its last barrier)
+        self.events: list[tuple[str, int, int, Hashable, int, int, bool]] = []
 
     def owner_of(self, t: torch.Tensor) -> tuple[int, Hashable]:
         ptr = t.data_ptr()
@@ -195,26 +201,31 @@ class FakeNode:
                     return rank, key
         raise AssertionError("not a node buffer")
 
-    def log(self, kind: str, actor: int, t: torch.Tensor, epoch: int) -> None:
+    def log(self, kind: str, transport: FakeTransport, t: torch.Tensor) -> None:
         owner, key = self.owner_of(t)
         with self._lock:
-            self.events.append((kind, actor, owner, key, epoch))
+            self.events.append((kind, transport.rank, owner, key, transport.epoch, transport.uses[key],
+                                owner in transport.synced))
 
     def hazards(self) -> list[str]:
-        """A peer reading a buffer in the epoch its owner writes it (no barrier between: a race), or
-        reading what was never written before its epoch."""
-        writes: dict[tuple[int, Hashable], set[int]] = defaultdict(set)
-        for kind, _, owner, key, epoch in self.events:
+        """A peer reading a buffer in the barrier epoch its owner writes it for another call (a
+        rewrite race), or for the same call without having waited on the owner's flag since the last
+        barrier (no barrier and no flag between write and read), or reading before any write."""
+        writes: dict[tuple[int, Hashable], set[tuple[int, int]]] = defaultdict(set)
+        for kind, _, owner, key, epoch, call, _ in self.events:
             if kind == "write":
-                writes[(owner, key)].add(epoch)
+                writes[(owner, key)].add((epoch, call))
         found = []
-        for kind, actor, owner, key, epoch in self.events:
+        for kind, actor, owner, key, epoch, call, synced in self.events:
             if kind == "read" and actor != owner:
-                if epoch in writes[(owner, key)]:
-                    found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch}, when it is written")
-                if not any(w < epoch for w in writes[(owner, key)]):
+                for w_epoch, w_call in writes[(owner, key)]:
+                    if w_epoch == epoch and (w_call != call or not synced):
+                        found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch} (call {call}), when it "
+                                     f"is written for call {w_call}{'' if synced else ' with no flag waited on'}")
+                if not any(w_epoch < epoch or (w_epoch == epoch and w_call == call and synced)
+                           for w_epoch, w_call in writes[(owner, key)]):
                     found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch}, before any write")
-        return found
+        return sorted(set(found))
 
 
 class FakeTransport:
@@ -223,9 +234,12 @@ class FakeTransport:
     def __init__(self, node: FakeNode, rank: int):
         self.node, self.rank, self.world_size, self.device = node, rank, node.world, torch.device("cpu")
         self.epoch = 0
+        self.uses: dict[Hashable, int] = defaultdict(int)  # calls that took each buffer so far
+        self.synced: set[int] = set()  # ranks whose flags this rank waited on since its last barrier
         self._keys: dict[int, Hashable] = {}
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        self.uses[key] += 1
         node = self.node
         with node._lock:
             node.allocations[self.rank].append((key, nbytes))
@@ -241,7 +255,31 @@ class FakeTransport:
 
     def barrier(self) -> None:
         self.epoch += 1
+        self.synced.clear()
         self.node._barrier.wait(timeout=60)
+
+    @contextmanager
+    def side(self):  # one thread per rank: the side stream's work runs in place, in order
+        yield
+
+    def join(self) -> None:
+        pass
+
+    def publish(self, slot: int, epoch: int, ranks) -> None:
+        node = self.node
+        with node._flags_changed:
+            for d in ranks:
+                assert node.flags[(d, self.rank, slot)] < epoch, "an epoch is published twice"
+                node.flags[(d, self.rank, slot)] = epoch
+            node._flags_changed.notify_all()
+
+    def wait(self, slot: int, epoch: int, ranks) -> None:
+        node = self.node
+        with node._flags_changed:
+            if not node._flags_changed.wait_for(lambda: all(node.flags[(self.rank, s, slot)] >= epoch for s in ranks),
+                                                timeout=60):
+                raise TimeoutError(f"rank {self.rank} waited 60 s for slot {slot} of epoch {epoch} from {list(ranks)}")
+        self.synced.update(ranks)
 
 
 class TracingCodec:
@@ -252,31 +290,31 @@ class TracingCodec:
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
                       skip: int | None = None) -> None:
-        self.t.node.log("write", self.t.rank, buf, self.t.epoch)
+        self.t.node.log("write", self.t, buf)
         self.codec.compress_into(x, cfg, buf, segments, skip)
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         for c in cs:
-            self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+            self.t.node.log("read", self.t, c.payload)
         self.codec.gather_into(cs, out)
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
         for c in parts:
             if isinstance(c, Compressed):
-                self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
+                self.t.node.log("read", self.t, c.payload)
         self.codec.sum_into(parts, out)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
                           buf: torch.Tensor) -> None:
         for c in parts:
             if isinstance(c, Compressed):
-                self.t.node.log("read", self.t.rank, c.payload, self.t.epoch)
-        self.t.node.log("write", self.t.rank, buf, self.t.epoch)
+                self.t.node.log("read", self.t, c.payload)
+        self.t.node.log("write", self.t, buf)
         self.codec.sum_compress_into(parts, dtype, cfg, buf)
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
-             codec: Any = None) -> tuple[list[Any], FakeNode]:
+             codec: Any = None, pieces: int = 1) -> tuple[list[Any], FakeNode]:
     """Run body(collectives, rank) for W simulated ranks in threads; their results and the node.
     An exception on one rank breaks the barrier (the others fail too) and is re-raised."""
     node = FakeNode(world)
@@ -286,7 +324,8 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
     def rank_main(rank: int) -> None:
         t = FakeTransport(node, rank)
         try:
-            results[rank] = body(DeviceCollectives(t, TracingCodec(codec or ReferenceCodec(), t), double_buffer), rank)
+            results[rank] = body(DeviceCollectives(t, TracingCodec(codec or ReferenceCodec(), t), double_buffer, pieces),
+                                 rank)
         except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append(e)
             node._barrier.abort()
@@ -342,14 +381,19 @@ def edge_inputs() -> torch.Tensor:
                       near_max, mixed])
 
 
-def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False) -> dict:
-    """On CUDA: the device backend against the reference backend over NCCL (bit for bit), against
-    the CPU simulation with the reference codec (bit for bit), and, where every rank gets the whole
-    result (all-gather, all-reduce), identical across ranks."""
+def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False, pieces: int = 1,
+                            min_piece: int | None = None) -> dict:
+    """On CUDA: the device backend (pipelined with `pieces` > 1, pieces of at least `min_piece`
+    elements) against the reference backend over NCCL (bit for bit), against the CPU simulation with
+    the reference codec (bit for bit), and, where every rank gets the whole result (all-gather,
+    all-reduce), identical across ranks. Returns the pipelined calls made (`epochs`) too."""
+    from commweave.taco import device
     from commweave.taco.device import DeviceBackend
 
+    if min_piece is not None:
+        device.MIN_PIECE = min_piece
     world, rank = ctx.world_size, ctx.rank
-    backend = DeviceBackend(ctx, double_buffer=double_buffer)
+    backend = DeviceBackend(ctx, double_buffer=double_buffer, pieces=pieces)
     sim, _ = simulate(world, lambda coll, r: [run_case(device_call(coll), c, world, r) for c in cases])
     out: dict[str, Any] = {"mismatches": [], "cases": len(cases)}
     for i, case in enumerate(cases):
@@ -365,6 +409,7 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False)
             if not ok:
                 diff = float((dev.float() - other.float()).abs().max()) if dev.shape == other.shape else float("nan")
                 out["mismatches"].append(f"case {i} {case}: differs from {what} (max |diff| {diff:.3g})")
+    out["epochs"] = backend.collectives(torch.empty(1, device=ctx.device)).epoch
     backend.close()
     ctx.end_candidate()
     return out

@@ -50,10 +50,11 @@ def test_every_specialization_class_compiles_for_sm90():
         for kernel, frame in frames.items():
             # adaptive compression holds both transforms' values at once, and summing then compressing
             # holds a sum and the next message's bytes with compression's values: they may spill; the
-            # summing kernel holds two messages in flight: a few bytes at most
+            # summing kernel holds two messages in flight, and a gathering lane stages 128 bytes of
+            # FP32 output under the tightest register budget (64): a few bytes at most
             if (kernel == "taco_compress" and cfg.hadamard == "adaptive") or kernel == "taco_sum_compress":
                 continue
-            limit = 16 if kernel == "taco_sum" or kernel == "taco_compress" else 0
+            limit = 16
             assert frame[1] <= limit and frame[2] <= limit, (cfg, dtype, n, frames)
 
 

@@ -45,7 +45,18 @@ CASES: list[taco_jobs.Case] = [
     ("reduce_scatter", {"group_size": 32, "fmt": "e5m2"}, (3, 37), "float32", 10),
     ("two_shot", {}, (7, 33), "float32", 11),
     ("reduce_scatter", {"group_size": 128, "hadamard": False}, (2, 512), "bfloat16", 12),
+    # sizes that split into pieces of whole 1024-element items (pipelined when pieces > 1, with
+    # MIN_PIECE lowered to 1024 in the tests), each op, repeats with new data
+    ("all_gather", {}, (8, 512), "float32", 21),
+    ("reduce_scatter", {"group_size": 32, "fmt": "e5m2"}, (4, 768), "float32", 22),
+    ("one_shot", {"group_size": 64, "hadamard": "adaptive"}, (2, 2048), "bfloat16", 23),
+    ("two_shot", {}, (8, 1024), "float32", 24),
+    ("all_gather", {}, (8, 512), "float32", 25),
+    ("two_shot", {"group_size": 64, "hadamard": False, "dual_scale": False}, (8, 1024), "float16", 26),
+    ("reduce_scatter", {"group_size": 32, "fmt": "e5m2"}, (4, 768), "float32", 27),
+    ("one_shot", {"group_size": 64, "hadamard": "adaptive"}, (2, 2048), "bfloat16", 28),
 ]
+PIPELINED = 8  # of the cases above, the last eight split into pieces (at pieces=4 and W in {2, 4})
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
@@ -62,13 +73,21 @@ def _run_cases(coll: device.DeviceCollectives, rank: int, world: int) -> list[to
     return [taco_jobs.run_case(taco_jobs.device_call(coll), case, world, rank) for case in CASES]
 
 
+@pytest.mark.parametrize("pieces", [1, 4], ids=["whole", "pipelined"])
 @pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
-def test_device_algorithms_equal_the_reference_backend_bit_for_bit(reference, double_buffer):
+def test_device_algorithms_equal_the_reference_backend_bit_for_bit(reference, double_buffer, pieces, monkeypatch):
+    """Every case, call after call, equals the reference backend bit for bit; pipelined (pieces
+    compressed beside the reads, published by flags) on the sizes that split, as a whole otherwise;
+    no rank reads a peer's buffer without a barrier or a flag since its owner wrote it."""
+    monkeypatch.setattr(device, "MIN_PIECE", 1024)
     world, expected = reference
-    got, node = taco_jobs.simulate(world, lambda coll, r: _run_cases(coll, r, world), double_buffer)
+    got, node = taco_jobs.simulate(world, lambda coll, r: (_run_cases(coll, r, world), coll.epoch), double_buffer,
+                                   pieces=pieces)
     for rank in range(world):
+        results, epochs = got[rank]
+        assert epochs == (PIPELINED if pieces > 1 else 0)
         for i, case in enumerate(CASES):
-            assert taco_jobs.same_bits(got[rank][i], expected[rank][i]), (rank, i, case)
+            assert taco_jobs.same_bits(results[i], expected[rank][i]), (rank, i, case)
     assert node.hazards() == []
     # collective allocation: every rank asked for the same buffers in the same order
     assert all(node.allocations[r] == node.allocations[0] for r in range(world))
@@ -111,6 +130,70 @@ def test_barriers_per_call_single_vs_double_buffered():
 
     assert count(False, "all_gather", 3) == 5 and count(True, "all_gather", 3) == 3
     assert count(False, "two_shot", 3) == 6 and count(True, "two_shot", 3) == 6
+
+
+def test_barriers_per_call_pipelined(monkeypatch):
+    """Pipelined calls need no barrier between writing and reading (flags), only the rewrite one:
+    single buffer one per call after the first, double buffer one every other call, two-shot alike."""
+    monkeypatch.setattr(device, "MIN_PIECE", 1024)
+    x = torch.randn(4, 1024)
+    cfg = QuantConfig()
+
+    def count(double: bool, op: str, calls: int) -> tuple[int, int]:
+        def body(coll, r):
+            for _ in range(calls):
+                if op == "two_shot":
+                    coll.all_reduce(x, cfg, "two_shot")
+                else:
+                    coll.all_gather(x, cfg)
+            return coll.barriers, coll.epoch
+        got, node = taco_jobs.simulate(2, body, double, pieces=4)
+        assert node.hazards() == []
+        return got[0]
+
+    assert count(False, "all_gather", 3) == (2, 3) and count(True, "all_gather", 3) == (1, 3)
+    assert count(False, "two_shot", 3) == (2, 3) and count(True, "two_shot", 3) == (1, 3)
+
+
+def test_a_missing_flag_wait_is_caught_by_the_hazard_log(monkeypatch):
+    """The checker is not vacuous for pipelined calls: reading a piece without waiting for its
+    flag is reported (and the first call reads what was never written)."""
+    monkeypatch.setattr(device, "MIN_PIECE", 1024)
+
+    class NoWait(taco_jobs.FakeTransport):
+        def wait(self, slot, epoch, ranks):
+            pass
+
+    node = taco_jobs.FakeNode(2)
+    x = torch.randn(4, 1024)
+
+    def run(rank: int) -> None:
+        t = NoWait(node, rank)
+        device.DeviceCollectives(t, taco_jobs.TracingCodec(device.ReferenceCodec(), t), pieces=4).all_gather(x, QuantConfig())
+
+    import threading
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    found = node.hazards()
+    assert any("with no flag waited on" in h for h in found) and any("before any write" in h for h in found), found
+
+
+def test_pieces_plan(monkeypatch):
+    monkeypatch.setattr(device, "MIN_PIECE", 1024)
+    coll = device.DeviceCollectives(taco_jobs.FakeTransport(taco_jobs.FakeNode(1), 0), device.ReferenceCodec(), pieces=4)
+    assert coll.plan(4096) == (4, 1024) and coll.plan(3072) == (3, 1024) and coll.plan(8192) == (4, 2048)
+    assert coll.plan(2048 + 512) == (1, 2560) and coll.plan(1024) == (1, 1024)  # no equal whole items / too small
+    monkeypatch.setattr(device, "MIN_PIECE", 4096)
+    assert coll.plan(8192) == (2, 4096)
+    for bad in (0, device.MAX_PIECES + 1):
+        with pytest.raises(ValueError, match="pieces must be in"):
+            device.DeviceCollectives(coll.t, device.ReferenceCodec(), pieces=bad)
+    with pytest.raises(ValueError, match="pieces must be in"):
+        device.DeviceBackend(pieces=0)
 
 
 def test_a_missing_barrier_is_caught_by_the_hazard_log():
@@ -190,9 +273,24 @@ def _ok(result):
 @pytest.mark.parametrize("world", [2, 4])
 def test_device_backend_on_gpus_equals_the_reference_over_nccl(world):
     with _gpu_pool(world) as pool:
-        for double_buffer in (False, True):
-            for value in _ok(pool.run("taco_jobs:device_vs_reference_gpu", cases=CASES, double_buffer=double_buffer)):
+        for double_buffer, pieces in ((False, 1), (True, 1), (False, 4), (True, 4)):
+            for value in _ok(pool.run("taco_jobs:device_vs_reference_gpu", cases=CASES, double_buffer=double_buffer,
+                                      pieces=pieces, min_piece=1024)):
                 assert value["mismatches"] == [], value["mismatches"]
+                assert value["epochs"] == (PIPELINED if pieces > 1 else 0)
+
+
+@pytest.mark.gpu
+def test_pipelined_path_on_one_gpu():
+    """One rank: the pipelined all-gather and one-shot (side stream, stream-memory flags, piece-wise
+    kernels on strided views) equal the reference bit for bit, call after call."""
+    cases = [c for c in CASES if c[0] in ("all_gather", "one_shot")]
+    with _gpu_pool(1) as pool:
+        for double_buffer in (False, True):
+            value = _ok(pool.run("taco_jobs:device_vs_reference_gpu", cases=cases, double_buffer=double_buffer,
+                                 pieces=4, min_piece=1024))[0]
+            assert value["mismatches"] == [], value["mismatches"]
+            assert value["epochs"] == sum(1 for c in cases if c in CASES[-PIPELINED:])
 
 
 @pytest.mark.gpu

@@ -35,15 +35,25 @@ def _iters(mib: float) -> int:
     return 30 if mib <= 16 else 10
 
 
+def variant(name: str) -> tuple[str, int]:
+    """A measured variant's (codec, pieces): "cuda", "triton", or "<codec>-p<pieces>" (pipelined)."""
+    codec, _, pieces = name.partition("-p")
+    if codec not in ("cuda", "triton") or (pieces and not pieces.isdigit()):
+        raise ValueError(f"a variant is cuda, triton or <codec>-p<pieces> (e.g. cuda-p4), not {name!r}")
+    return codec, int(pieces or 1)
+
+
 def measure(ctx: Any, mibs: Sequence[float] = (16, 256), codecs: Sequence[str] = ("cuda",),
             cfg_kwargs: dict | None = None, double_buffer: bool = False) -> list[dict]:
-    """One row per (size, op): NCCL's time and each codec's (the device backend with that codec),
-    their bandwidths and speedups. A pool job: every rank runs it; rank 0's rows are the answer."""
+    """One row per (size, op): NCCL's time and each variant's (the device backend with that codec
+    and pieces, see `variant`), their bandwidths and speedups. A pool job: every rank runs it; rank
+    0's rows are the answer."""
     from commweave.taco.device import DeviceBackend
 
     world = ctx.world_size
     cfg = QuantConfig(**(cfg_kwargs or {}))
-    backends = {name: DeviceBackend(ctx, double_buffer=double_buffer, codec=name) for name in codecs}
+    backends = {name: DeviceBackend(ctx, double_buffer=double_buffer, codec=variant(name)[0], pieces=variant(name)[1])
+                for name in codecs}
     rows = []
     for mib in mibs:
         n = int(mib * (1 << 20)) // 2 // (world * cfg.group_size) * (world * cfg.group_size)

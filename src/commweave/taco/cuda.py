@@ -110,15 +110,20 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
     """Compress `x` into `buf` (16-byte aligned) in `quant.pack`'s layout; with `segments` > 1, x
     (split into that many equal chunks along dim 0) into as many packed messages, chunk q at
     q * cfg.packed_stride(chunk) (what a reduce-scatter sends rank q), all but chunk `skip` (its
-    bytes are left as they are). One launch; returns buf."""
+    bytes are left as they are). x may also be a [segments, chunk] view whose rows are contiguous
+    but apart (a column slice of every rank's chunk: a pipelined reduce-scatter's piece); it is read
+    in place. One launch; returns buf."""
     if x.dtype not in DTYPE_CODE:
         raise TypeError(f"the CUDA kernels compress float32, float16 or bfloat16 tensors, got {x.dtype}")
     if x.dim() == 0 or segments < 1 or x.shape[0] % segments:
         raise ValueError(f"cannot split shape {tuple(x.shape)} into {segments} equal chunks along dim 0")
     if skip is not None and not 0 <= skip < segments:
         raise ValueError(f"skip must be a chunk index in 0..{segments - 1} or None, got {skip}")
-    x = x.contiguous()
+    rows = x.dim() == 2 and x.shape[0] == segments and x.stride(1) == 1 and not x.is_contiguous()
+    if not rows:
+        x = x.contiguous()
     chunk = x.numel() // segments
+    x_stride = x.stride(0) if rows else chunk
     wire = cfg.wire_bytes(chunk)  # raises for pad=False and a ragged chunk
     stride = cfg.packed_stride(chunk) if segments > 1 else wire
     size = segments * stride
@@ -131,9 +136,9 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
         raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
     if chunk == 0:
         return buf
-    vec = _aligned(x.data_ptr(), chunk * x.element_size())
+    vec = _aligned(x.data_ptr(), chunk * x.element_size()) and _aligned(0, x_stride * x.element_size())
     _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(chunk),
-            [x, chunk, chunk, segments, buf, stride, int(vec), -1 if skip is None else skip])
+            [x, chunk, x_stride, segments, buf, stride, int(vec), -1 if skip is None else skip])
     return buf
 
 
@@ -208,16 +213,22 @@ def _check_result(parts: Sequence[Compressed | torch.Tensor], result: torch.Tens
 
 
 def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
-    """out[p] = decompress(cs[p]) for every message (out: len(cs) * numel elements, any shape), in
-    one launch whose warps interleave the messages (every peer's link busy at once)."""
+    """out[p] = decompress(cs[p]) for every message (out: len(cs) * numel elements, any shape; or a
+    [len(cs), numel] view whose rows are contiguous but apart, e.g. one piece of every rank's part
+    of an all-gather), in one launch whose warps interleave the messages (every peer's link busy)."""
     if any(not isinstance(c, Compressed) for c in cs):
         raise ValueError("gather_into takes packed messages only")
     cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype)
-    _check_result(cs, out, len(cs) * numel, "gather_into")
+    rows = out.dim() == 2 and tuple(out.shape) == (len(cs), numel) and out.stride(1) == 1 and not out.is_contiguous()
+    if not rows:
+        _check_result(cs, out, len(cs) * numel, "gather_into")
+    else:
+        _check_result(cs, out[0], numel, "gather_into")
+    out_stride = out.stride(0) if rows else numel
     if numel:
-        vec = _aligned(out.data_ptr(), numel * out.element_size())
+        vec = _aligned(out.data_ptr(), out_stride * out.element_size())
         _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
-                [ptrs, len(cs), numel, out, numel, int(vec)])
+                [ptrs, len(cs), numel, out, out_stride, int(vec)])
     return out
 
 

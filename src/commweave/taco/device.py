@@ -37,6 +37,15 @@ memory. Default: single buffer (memory first; a barrier is a few microseconds, w
 at latency-bound sizes; measure before switching). The rule is the same for both; the CPU tests
 check it with a hazard tracker.
 
+Pipelining (`pieces` > 1; default 1 until measured on several GPUs): a message is cut into up to
+`pieces` equal pieces (whole 1024-element work items, at least MIN_PIECE elements each; sizes that
+do not split so run unpipelined), each its own packed message. Compression runs on a side stream
+piece by piece, each piece published to its readers as soon as it is written (a flag in every
+reader's memory set to the call's epoch, by a stream memory write after the compression); the
+caller's stream waits for piece k's flags and reads it while piece k + 1 is compressed. No barrier
+between writing and reading; the rewrite rule above is unchanged (so a pipelined call has at most
+the one barrier before rewriting). Groups never straddle pieces, so the bytes are the reference's.
+
 Collective: every call, and the first call per (op, shape, dtype, cfg) allocates symmetric buffers
 (`ctx.symmetric`, collective): all ranks make the same calls in the same order with the same
 shapes, dtypes and configs, as with any torch.distributed collective. Buffers are kept per
@@ -53,7 +62,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Hashable, Protocol
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, ContextManager, Hashable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +73,10 @@ from commweave.taco.collectives import AllReduceAlgo, register_backend
 from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack, packed_view
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_PIECES = 8  # per message; two-shot uses two sets of slots
+PIECE_ALIGN = 1024  # elements: a CUDA work item, a multiple of every group size
+MIN_PIECE = 1 << 20  # elements: below this a piece's launches cost more than the overlap saves
+FLAG_SLOTS = 2 * MAX_PIECES  # per source rank
 
 
 class Transport(Protocol):
@@ -83,16 +98,37 @@ class Transport(Protocol):
         """All ranks: writes issued before it are visible to reads issued after it, everywhere."""
         ...
 
+    # pipelined calls (pieces > 1): per-piece flags instead of a barrier between writes and reads
+    def side(self) -> ContextManager[None]:
+        """Work issued inside runs beside the caller's stream (after what the caller queued so far)."""
+        ...
+
+    def join(self) -> None:
+        """The caller's stream waits for the work issued inside `side()`."""
+        ...
+
+    def publish(self, slot: int, epoch: int, ranks: Sequence[int]) -> None:
+        """After the work issued before it: tell each rank in `ranks` that this rank's piece `slot`
+        of call `epoch` is written (its flag [this rank][slot] in their memory becomes `epoch`)."""
+        ...
+
+    def wait(self, slot: int, epoch: int, ranks: Sequence[int]) -> None:
+        """Work issued after it waits until every rank in `ranks` published piece `slot` of `epoch`
+        (or a later call) to this rank."""
+        ...
+
 
 class Codec(Protocol):
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
                       skip: int | None = None) -> None:
         """x split into `segments` equal chunks along dim 0, chunk q packed at q * packed_stride(chunk)
-        (one message: the whole buffer); chunk `skip` is not compressed (its segment is left as is)."""
+        (one message: the whole buffer); chunk `skip` is not compressed (its segment is left as is).
+        x may be a [segments, chunk] view with contiguous rows apart (a pipelined piece)."""
         ...
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
-        """out[p] = decompress(cs[p]) (out: (len(cs), *shape), contiguous)."""
+        """out[p] = decompress(cs[p]) (out: (len(cs), *shape), contiguous; or [len(cs), numel] with
+        contiguous rows apart: a pipelined piece of every rank's part)."""
         ...
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
@@ -215,13 +251,41 @@ CODECS = {"cuda": CudaCodec, "triton": TritonCodec, "reference": ReferenceCodec}
 class DeviceCollectives:
     """The compressed collectives over a Transport and a Codec (see the module docstring)."""
 
-    def __init__(self, transport: Transport, codec: Codec, double_buffer: bool = False):
+    def __init__(self, transport: Transport, codec: Codec, double_buffer: bool = False, pieces: int = 1):
+        if not 1 <= pieces <= MAX_PIECES:
+            raise ValueError(f"pieces must be in 1..{MAX_PIECES}, got {pieces}")
         self.t = transport
         self.codec = codec
         self.double_buffer = double_buffer
+        self.pieces = pieces
         self.barriers = 0  # barriers issued so far (identical on every rank: calls are collective)
+        self.epoch = 0  # pipelined calls so far: the flags' value for the current one
         self._read_at: dict[Hashable, int] = {}  # buffer key -> barrier count when peers last read it
         self._calls: dict[Hashable, int] = defaultdict(int)
+
+    def plan(self, numel: int) -> tuple[int, int]:
+        """(pieces, elements a piece) for a message of `numel` elements: the most pieces up to
+        `self.pieces` that split it into equal whole work items (PIECE_ALIGN elements, so groups
+        never straddle pieces and each piece compresses to exactly the reference's bytes) of at
+        least MIN_PIECE elements; (1, numel) when none does (no pipelining)."""
+        for n in range(self.pieces, 1, -1):
+            if numel % (n * PIECE_ALIGN) == 0 and numel // n >= MIN_PIECE:
+                return n, numel // n
+        return 1, numel
+
+    def _pipeline(self, n: int, produce: Callable[[int], None], consume: Callable[[int], None],
+                  to_ranks: Sequence[int], from_ranks: Sequence[int], slot0: int = 0) -> None:
+        """Piece k: `produce(k)` beside the caller's stream, then published to `to_ranks`; on the
+        caller's stream, wait for piece k of `from_ranks`, then `consume(k)`. Consuming piece k
+        (NVLink reads) overlaps producing piece k + 1 (compression)."""
+        with self.t.side():
+            for k in range(n):
+                produce(k)
+                self.t.publish(slot0 + k, self.epoch, to_ranks)
+        for k in range(n):
+            self.t.wait(slot0 + k, self.epoch, from_ranks)
+            consume(k)
+        self.t.join()
 
     # -- buffers and ordering ------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -251,39 +315,72 @@ class DeviceCollectives:
         _check_input(x, self.t.device)
         world = self.t.world_size
         shape = tuple(x.shape)
-        key, buf = self._buffer("all_gather", shape, x.dtype, cfg, cfg.wire_bytes(x.numel()))
-        self.codec.compress_into(x, cfg, buf)
-        self._barrier()
+        n, piece = self.plan(x.numel())
         out = torch.empty((world, *shape), dtype=x.dtype, device=x.device)
-        self.codec.gather_into(self._messages(buf, 0, buf.numel(), shape, x.dtype, cfg), out)
+        if n == 1:
+            key, buf = self._buffer("all_gather", shape, x.dtype, cfg, cfg.wire_bytes(x.numel()))
+            self.codec.compress_into(x, cfg, buf)
+            self._barrier()
+            self.codec.gather_into(self._messages(buf, 0, buf.numel(), shape, x.dtype, cfg), out)
+        else:  # piece k of every rank's message: packed at k * stride of its buffer
+            stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
+            key, buf = self._buffer("all_gather", shape, x.dtype, cfg, n * stride)
+            flat, rows = x.reshape(-1), out.view(world, -1)
+            self.epoch += 1
+            everyone = range(world)
+            self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
+                                                                 buf[k * stride:k * stride + wire]),
+                           lambda k: self.codec.gather_into(self._messages(buf, k * stride, k * stride + wire, (piece,),
+                                                                           x.dtype, cfg),
+                                                            rows[:, k * piece:(k + 1) * piece]),
+                           everyone, everyone)
         self._read_at[key] = self.barriers
         return out.view(world * shape[0], *shape[1:])
 
-    def _scatter(self, op: str, x: torch.Tensor, cfg: QuantConfig) -> tuple[Hashable, list[Compressed | torch.Tensor]]:
+    def _scatter(self, op: str, x: torch.Tensor, cfg: QuantConfig,
+                 consume: Callable[[int, list[Compressed | torch.Tensor], int, int], None]) -> Hashable:
         """A reduce-scatter's exchange: chunk q != rank of x (split along dim 0) compressed into
-        segment q of this rank's buffer (at q * packed_stride), a barrier, then this rank's parts of
-        the sum in rank order: segment `rank` of every other rank's buffer, and its own chunk exactly.
-        The caller sums the parts and records the buffer key's read."""
+        segment q of this rank's buffer, then this rank's parts of the sum in rank order (segment
+        `rank` of every other rank's buffer, and its own chunk exactly) handed to
+        `consume(k, parts, lo, hi)` for elements [lo, hi) of the chunk. Unpipelined: one piece, a
+        barrier between. Pipelined: piece k of every segment compressed at once (segments of piece
+        k packed at (k * W + q) * stride), published to every peer, consumed as it lands. Returns the
+        buffer's key (the caller records the read)."""
         world, rank = self.t.world_size, self.t.rank
         chunk_shape = (x.shape[0] // world, *x.shape[1:])
         numel = math.prod(chunk_shape)
-        stride = cfg.packed_stride(numel)
-        key, buf = self._buffer(op, tuple(x.shape), x.dtype, cfg, world * stride)
-        self.codec.compress_into(x, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
-        self._barrier()
-        lo = rank * stride
-        parts: list[Compressed | torch.Tensor] = list(
-            self._messages(buf, lo, lo + cfg.wire_bytes(numel), chunk_shape, x.dtype, cfg))
-        parts[rank] = x.view(world, -1)[rank].view(chunk_shape)  # own chunk, exact (as the reference)
-        return key, parts
+        n, piece = self.plan(numel)
+        stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
+        key, buf = self._buffer(op, tuple(x.shape), x.dtype, cfg, n * world * stride)
+        rows = x.reshape(world, numel)
+        shape = chunk_shape if n == 1 else (piece,)
+
+        def parts(k: int) -> list[Compressed | torch.Tensor]:
+            lo = (k * world + rank) * stride
+            found: list[Compressed | torch.Tensor] = list(self._messages(buf, lo, lo + wire, shape, x.dtype, cfg))
+            found[rank] = rows[rank, k * piece:(k + 1) * piece].view(shape)  # own chunk, exact (as the reference)
+            return found
+
+        if n == 1:
+            self.codec.compress_into(x, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
+            self._barrier()
+            consume(0, parts(0), 0, numel)
+        else:
+            peers = [p for p in range(world) if p != rank]
+            self.epoch += 1
+            self._pipeline(n, lambda k: self.codec.compress_into(rows[:, k * piece:(k + 1) * piece], cfg,
+                                                                 buf[k * world * stride:(k + 1) * world * stride],
+                                                                 segments=world, skip=rank),
+                           lambda k: consume(k, parts(k), k * piece, (k + 1) * piece), peers, peers)
+        return key
 
     def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         """Chunk `rank` (of x split along dim 0) summed over ranks (see _scatter)."""
         _check_input(x, self.t.device)
         _check_dim0(x, self.t.world_size)
-        key, parts = self._scatter("reduce_scatter", x, cfg)
         out = torch.empty((x.shape[0] // self.t.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self.codec.sum_into(parts, out)
+        flat = out.view(-1)
+        key = self._scatter("reduce_scatter", x, cfg, lambda k, parts, lo, hi: self.codec.sum_into(parts, flat[lo:hi]))
         self._read_at[key] = self.barriers
         return out
 
@@ -291,33 +388,62 @@ class DeviceCollectives:
         """one_shot: every rank reads every rank's whole compressed x and sums in FP32.
         two_shot: compressed reduce-scatter of the group-padded flat tensor, the reduced chunk
         requantized (in x's dtype) by the summing kernel itself, compressed all-gather: the
-        reference's steps exactly (two barriers)."""
+        reference's steps exactly (two barriers unpipelined; pipelined, per-piece flags)."""
         if algorithm not in ("one_shot", "two_shot"):
             raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
         _check_input(x, self.t.device)
         world = self.t.world_size
+        everyone = range(world)
         if algorithm == "one_shot":
             shape = tuple(x.shape)
-            nbytes = cfg.wire_bytes(x.numel())
-            key, buf = self._buffer("one_shot", shape, x.dtype, cfg, nbytes)
-            self.codec.compress_into(x, cfg, buf)
-            self._barrier()
+            n, piece = self.plan(x.numel())
+            stride, wire = (cfg.packed_stride(piece), cfg.wire_bytes(piece)) if n > 1 else (0, cfg.wire_bytes(x.numel()))
+            key, buf = self._buffer("one_shot", shape, x.dtype, cfg, n * stride if n > 1 else wire)
             out = torch.empty_like(x)
-            self.codec.sum_into(self._messages(buf, 0, nbytes, shape, x.dtype, cfg), out)
+            if n == 1:
+                self.codec.compress_into(x, cfg, buf)
+                self._barrier()
+                self.codec.sum_into(self._messages(buf, 0, wire, shape, x.dtype, cfg), out)
+            else:
+                flat, out_flat = x.reshape(-1), out.view(-1)
+                self.epoch += 1
+                self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
+                                                                     buf[k * stride:k * stride + wire]),
+                               lambda k: self.codec.sum_into(self._messages(buf, k * stride, k * stride + wire, (piece,),
+                                                                            x.dtype, cfg),
+                                                             out_flat[k * piece:(k + 1) * piece]),
+                               everyone, everyone)
             self._read_at[key] = self.barriers
             return out
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
         padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel())).view(world, per_rank)
-        key1, parts = self._scatter("two_shot_scatter", padded, cfg)  # phase 1: a reduce-scatter's exchange
-        # phase 2, an all-gather of the reduced chunk, requantized in x's dtype by the summing kernel
-        wire = cfg.wire_bytes(per_rank)
-        key2, buf2 = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg, wire)
-        self.codec.sum_compress_into(parts, x.dtype, cfg, buf2)
+        n, piece = self.plan(per_rank)  # the same pieces in both phases
+        stride, wire = (cfg.packed_stride(piece), cfg.wire_bytes(piece)) if n > 1 else (0, cfg.wire_bytes(per_rank))
+        phase2: dict[str, Any] = {}
+
+        def requantize(k: int, parts: list[Compressed | torch.Tensor], lo: int, hi: int) -> None:
+            """The reduced piece, requantized in x's dtype into phase 2's buffer (then published).
+            That buffer is taken at the first piece: after phase 1's (and its rewrite barrier)."""
+            if not phase2:
+                phase2["key"], phase2["buf"] = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg,
+                                                            n * stride if n > 1 else wire)
+            self.codec.sum_compress_into(parts, x.dtype, cfg, phase2["buf"][k * stride:k * stride + wire])
+            if n > 1:
+                self.t.publish(MAX_PIECES + k, self.epoch, everyone)
+
+        key1 = self._scatter("two_shot_scatter", padded, cfg, requantize)  # phase 1: a reduce-scatter's exchange
         self._read_at[key1] = self.barriers
-        self._barrier()
+        key2, buf2 = phase2["key"], phase2["buf"]
         full = torch.empty((world, per_rank), dtype=x.dtype, device=x.device)
-        self.codec.gather_into(self._messages(buf2, 0, wire, (1, per_rank), x.dtype, cfg), full)
+        if n == 1:
+            self._barrier()
+            self.codec.gather_into(self._messages(buf2, 0, wire, (1, per_rank), x.dtype, cfg), full)
+        else:  # phase 2: an all-gather of the requantized pieces as they are published
+            for k in range(n):
+                self.t.wait(MAX_PIECES + k, self.epoch, everyone)
+                self.codec.gather_into(self._messages(buf2, k * stride, k * stride + wire, (piece,), x.dtype, cfg),
+                                       full[:, k * piece:(k + 1) * piece])
         self._read_at[key2] = self.barriers
         return full.reshape(-1)[: flat.numel()].view(x.shape)
 
@@ -351,6 +477,8 @@ class WindowTransport:
         self._buffers: dict[Hashable, torch.Tensor] = {}
         self._peers: dict[tuple[int, int, int], torch.Tensor] = {}
         self._stream: torch.cuda.Stream | None = None
+        self._flags: torch.Tensor | None = None  # [W, SLOTS] int64: [source][slot] = its last epoch
+        self._flag_peers: list[int] = []  # each rank's flags' address, as mapped here
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
         stream = torch.cuda.current_stream(self.device)
@@ -372,6 +500,40 @@ class WindowTransport:
     def barrier(self) -> None:
         self.ctx.device_barrier()
 
+    # pipelined calls: flags written by stream memory operations (cuStreamWriteValue64 into the
+    # peer's mapped window after the compression, cuStreamWaitValue64 on the local word): no kernel
+    # and no SM spent waiting, and the write's default memory barrier orders the payload before it
+    def _flag_table(self) -> tuple[torch.Tensor, list[int]]:
+        if self._flags is None:  # collective, at the first pipelined call (same order on every rank)
+            self._flags = self.ctx.symmetric((self.world_size, FLAG_SLOTS), torch.int64)
+            self._flag_peers = [self.peer(self._flags, p).data_ptr() for p in range(self.world_size)]
+        return self._flags, self._flag_peers
+
+    @contextmanager
+    def side(self) -> Iterator[None]:
+        self._flag_table()  # allocated (zeroed, ranks lined up) before any publish or wait
+        side = self.ctx.stream("taco")
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            yield
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.ctx.stream("taco"))
+
+    def publish(self, slot: int, epoch: int, ranks: Sequence[int]) -> None:
+        from commweave.runtime.launch import stream_write
+
+        _, peers = self._flag_table()
+        for d in ranks:
+            stream_write(peers[d] + 8 * (self.rank * FLAG_SLOTS + slot), epoch)
+
+    def wait(self, slot: int, epoch: int, ranks: Sequence[int]) -> None:
+        from commweave.runtime.launch import stream_wait_geq
+
+        flags, _ = self._flag_table()
+        for s in ranks:
+            stream_wait_geq(flags.data_ptr() + 8 * (s * FLAG_SLOTS + slot), epoch)
+
 
 class DeviceBackend:
     """`collectives.CollectiveBackend` over CUDA symmetric windows, registered as "device".
@@ -383,12 +545,15 @@ class DeviceBackend:
     context; a new context (after `commweave.ops.close()`) starts a new one. `codec`: "cuda" (the
     default: fused multi-rank kernels) or "triton" (one launch per message; for comparison)."""
 
-    def __init__(self, ctx: Any = None, double_buffer: bool = False, codec: str = "cuda"):
+    def __init__(self, ctx: Any = None, double_buffer: bool = False, codec: str = "cuda", pieces: int = 1):
         if codec not in ("cuda", "triton"):
             raise ValueError(f"codec must be 'cuda' or 'triton' on GPUs, got {codec!r}")
+        if not 1 <= pieces <= MAX_PIECES:
+            raise ValueError(f"pieces must be in 1..{MAX_PIECES}, got {pieces}")
         self._ctx = ctx
         self.double_buffer = double_buffer
         self.codec = codec
+        self.pieces = pieces
         self._state: tuple[Any, DeviceCollectives] | None = None
 
     def collectives(self, x: torch.Tensor, group: Any = None) -> DeviceCollectives:
@@ -409,7 +574,8 @@ class DeviceBackend:
         if x.device != ctx.device:
             raise ValueError(f"the tensor is on {x.device}, the context on {ctx.device}")
         if self._state is None or self._state[0] is not ctx:
-            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), CODECS[self.codec](), self.double_buffer))
+            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), CODECS[self.codec](), self.double_buffer,
+                                                      self.pieces))
         return self._state[1]
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
