@@ -243,3 +243,16 @@ def test_seed_deferred_on_gpus(wl: GemmAllGather, world: int, config: dict) -> N
     """overlap=False (placement deferred, sync global): the whole push, a barrier, then the GEMMs."""
     check_on_gpus("gemm-allgather", "seed", world, [*(s.label for s in wl.check_shapes(world)), "8192x8192x8192"], seed=9,
                   config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [dict(compression="fp8_e4m3", group_size=128, chunks=2),
+                                    dict(compression="fp8_e4m3", group_size=32, chunks=3, order="broadcast", graph=False,
+                                         wait="stream", comm_ctas=32)])
+def test_seed_compressed_on_gpus(world: int, config: dict) -> None:
+    """compression (gemm-allgather-lossy's tolerance): chunks TACO-compressed by the owner, pulled and
+    decompressed by each receiver as its flag lands, then multiplied; the error stays under 4 %."""
+    lossy = get_workload("gemm-allgather-lossy")
+    check_on_gpus("gemm-allgather-lossy", "seed", world, [*(s.label for s in lossy.check_shapes(world)), "8192x8192x8192"],
+                  seed=11, config=config)

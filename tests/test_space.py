@@ -113,6 +113,30 @@ def test_template_renders_the_copy_engine_backend():
     assert load_program(TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)).CONFIG["backend"] == "lsa"
 
 
+def test_compression_is_admitted_by_a_declared_tolerance_and_rendered():
+    """gemm-allgather (bf16 tolerance) admits no compression; gemm-allgather-lossy declares 4 %
+    and admits E4M3 (expected error 0.036) but not E5M2 (0.072); its template renders E4M3 with a
+    group size into the seed's CONFIG, on backend lsa with placement split only."""
+    from commweave.evaluate.program import load_program
+    from commweave.workloads import get_workload
+
+    seed = TEMPLATE.seed_directives()
+    e4m3 = seed.with_(compression="fp8_e4m3", group_size=128, sync="chunk", chunk_bytes=4 << 20)
+    assert any("declares no tolerance" in w or "is not admitted" in w for w in TEMPLATE.check(e4m3, 4))
+    lossy = get_workload("gemm-allgather-lossy").template()
+    assert lossy.space(4).admitted_compressions() == ("none", "fp8_e4m3")
+    assert lossy.check(e4m3, 4) == []
+    config = load_program(lossy.render(e4m3, SHAPE, 4)).CONFIG
+    assert (config["compression"], config["group_size"], config["backend"], config["overlap"]) == ("fp8_e4m3", 128, "lsa", True)
+    assert load_program(lossy.render(seed, SHAPE, 4)).CONFIG["compression"] == "none"
+    assert any("0.072" in w for w in lossy.check(e4m3.with_(compression="fp8_e5m2"), 4))
+    for changes, reason in ((dict(backend="ce", comm_ctas=0, issuer="thread"), "backend lsa with placement split only"),
+                            (dict(placement="deferred", sync="global"), "backend lsa with placement split only"),
+                            (dict(group_size=1024), "group_size in 0, 32, 64, 128, 256, 512 only")):
+        assert any(reason in w for w in lossy.check(e4m3.with_(**changes), 4)), (changes, lossy.check(e4m3.with_(**changes), 4))
+    assert "gemm-allgather-lossy's" in " ".join(lossy.unsupported(e4m3.with_(language="triton")))
+
+
 def test_template_renders_the_conservative_set():
     """placement deferred + sync global: the whole push, one LSA barrier, then the GEMMs
     (CONFIG overlap=False), one chunk per shard whatever the chunk bytes."""
@@ -141,7 +165,9 @@ def test_rendered_sample_parses_carries_its_directives_and_compiles():
     rng = random.Random(3)
     sources = set()
     for _ in range(12):
-        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()})
+        # (compression stays none: gemm-allgather's tolerance admits none; the lossy variant's test renders it)
+        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()
+                                                 if d not in ("compression", "group_size")})
         if TEMPLATE.check(ds, 4):
             continue
         text = TEMPLATE.render(ds, SHAPE, 4)

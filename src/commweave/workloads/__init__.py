@@ -8,11 +8,11 @@ from commweave.workloads.base import Cost, Shape, Workload
 def registry() -> dict[str, Workload]:
     """Every workload by its command-line name."""
     from commweave.workloads.attention_cp.workload import AttentionCP
-    from commweave.workloads.gemm_allgather.workload import GemmAllGather
+    from commweave.workloads.gemm_allgather.workload import GemmAllGather, GemmAllGatherLossy
     from commweave.workloads.kv_transfer.workload import KvTransfer
     from commweave.workloads.moe.workload import MoELayer
 
-    workloads: list[Workload] = [GemmAllGather(), AttentionCP(), MoELayer(), KvTransfer()]
+    workloads: list[Workload] = [GemmAllGather(), GemmAllGatherLossy(), AttentionCP(), MoELayer(), KvTransfer()]
     return {w.name: w for w in workloads}
 
 

@@ -6,7 +6,11 @@ What the seed implements, and so what this template renders:
   windows and stream-written flags, comm CTAs 0, issuer `thread` as the space requires);
   placement `split` (communication on a side stream, GEMMs on the current stream chasing flags)
   or `deferred` with sync `global` (CONFIG `overlap=False`: the whole push, one LSA barrier, then
-  the GEMMs: the conservative strategy), language `cuda`, no compression;
+  the GEMMs: the conservative strategy), language `cuda`;
+- compression `fp8_e4m3` / `fp8_e5m2` with a group size of 32..512 (CONFIG `compression`,
+  `group_size`: TACO-compressed chunks pulled by the receivers; `comm_ctas` sizes the carve-out), with
+  backend `lsa` and placement `split` only, and only where the workload's tolerance admits the
+  format (the space checks it: gemm-allgather-lossy admits e4m3);
 - sync `chunk`: one counter per (source shard, chunk); sync `peer` is the same code with one chunk
   per shard (a counter per source peer), so it renders `chunks=1`;
 - comm CTAs -> CONFIG `comm_ctas`; chunk bytes -> CONFIG `chunks` = the shard's bytes (M/W rows of
@@ -26,6 +30,7 @@ from commweave.space import Capabilities, DirectiveSet, Space, Template
 from commweave.workloads.base import Shape
 
 MAX_CHUNKS = 64  # more pieces per shard than this only adds GEMM launches
+TACO_GROUP_SIZES = (32, 64, 128, 256, 512)  # what the TACO kernels take
 
 KNOBS: dict[str, tuple[Any, ...]] = {
     # 1024 is left out: ptxas gives cw_ag_push 96 registers a thread, and 1024 x 96 exceeds the
@@ -48,6 +53,7 @@ class GemmAllGatherTemplate(Template):
 
             workload = GemmAllGather()
         self.wl = workload
+        self.workload = workload.name  # gemm-allgather, or a variant declaring another tolerance
         self._seed_text = workload.program_text(workload.seed)
 
     def space(self, world_size: int, capabilities: Any = None) -> Space:
@@ -57,7 +63,8 @@ class GemmAllGatherTemplate(Template):
     def supported(self) -> dict[str, tuple[Any, ...]]:
         return {"backend": ("lsa", "ce"), "placement": ("split", "deferred"), "sync": ("chunk", "peer", "global"),
                 "issuer": ("cta", "thread"),
-                "compression": ("none",), "group_size": (0,), "language": ("cuda",),
+                "compression": ("none", "fp8_e4m3", "fp8_e5m2"), "group_size": (0, *TACO_GROUP_SIZES),
+                "language": ("cuda",),
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
     def seed_directives(self) -> DirectiveSet:
@@ -81,15 +88,19 @@ class GemmAllGatherTemplate(Template):
         why = super().unsupported(ds)
         if ds.backend == "lsa" and ds.issuer != "cta":
             why.append(f"{self.workload}'s lsa push is written per CTA (one signal per CTA): issuer cta only, not {ds.issuer!r}")
+        if ds.compression != "none" and (ds.backend != "lsa" or ds.placement != "split"):
+            why.append(f"{self.workload}'s compressed path pulls each chunk as its flag lands: backend lsa with "
+                       f"placement split only, not {ds.backend} with {ds.placement}")
         if (ds.placement == "deferred") != (ds.sync == "global"):
             why.append(f"{self.workload}'s template pairs placement deferred with sync global (one barrier after "
                        f"the whole push, then the GEMMs) and split with chunk or peer, not {ds.placement} with {ds.sync}")
         return why
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
+        compression = {"compression": ds.compression, "group_size": ds.group_size} if ds.compression != "none" else {}
         return with_config(self._seed_text, backend=ds.backend, comm_ctas=ds.comm_ctas,
                            chunks=self.chunks_for(ds, shape, world_size), overlap=ds.placement == "split",
-                           **ds.knob_dict)
+                           **compression, **ds.knob_dict)
 
 
 def make_template(workload: Any = None) -> GemmAllGatherTemplate:

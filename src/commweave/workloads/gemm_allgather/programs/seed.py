@@ -26,6 +26,16 @@ shard's rows into the peer's `a_full` through its mapped address (`ctx.peer_tens
 device memcpy the driver gives a copy engine) followed by a stream write of 1 into the peer's
 counter (`stream_write`: after the copy completes, with a memory barrier). Targets are then 1 per
 piece, and `comm_ctas` is 0 (no carve-out).
+
+Compression (CONFIG `compression` "fp8_e4m3" / "fp8_e5m2", `group_size`; only for workloads whose
+tolerance admits it, e.g. gemm-allgather-lossy): the side stream opens with the same LSA barrier,
+then compresses the shard chunk by chunk with TACO's kernel (`commweave.taco.cuda`, Hadamard and
+dual scales, as many CTAs as it fills: a short burst per chunk, ~1.6 TB/s on an H200, which a cap
+of `comm_ctas` CTAs would slow below the link's rate; `comm_ctas` only sizes the GEMMs' carve-out)
+into this rank's symmetric `a_wire` and after each chunk stream-writes 1 into every peer's counter. The current stream
+waits per (source, chunk) as above, then one TACO gather kernel reads the source's packed chunk
+straight from its window over NVLink (about half the bytes of BF16) and decompresses it into
+`a_full`, and the GEMM follows. The own shard is multiplied exact, never compressed.
 """
 
 import torch
@@ -46,6 +56,9 @@ CONFIG = dict(
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
     overlap=True,  # False: push every shard, one LSA barrier across ranks, then the GEMMs (placement
     #                deferred, sync global: the conservative strategy the fast path starts from)
+    compression="none",  # "fp8_e4m3" / "fp8_e5m2": peers pull TACO-compressed chunks (lossy: the
+    #                      workload's tolerance must admit it); needs backend "lsa" and overlap
+    group_size=128,  # elements sharing one pair of FP8 scales (with compression)
 )
 MAX_GRAPHS = 32  # captured calls kept per setup (the benchmark rotates up to 16 input sets)
 
@@ -221,7 +234,8 @@ def setup(ctx, shape):
         raise ValueError(f"CONFIG comm_ctas={ctas}: backend {CONFIG['backend']} needs " + ("0 (copy engines use no SMs)" if ce else "at least 1"))
     if world - 1 > 7:
         raise ValueError(f"the push kernel addresses at most 7 peers, not {world - 1}")
-    a_full = ctx.symmetric((m, k), torch.bfloat16)
+    taco = _taco_setup(ctx, shape, chunks) if CONFIG["compression"] != "none" else None
+    a_full = torch.empty((m, k), dtype=torch.bfloat16, device=ctx.device) if taco else ctx.symmetric((m, k), torch.bfloat16)
     flags = ctx.symmetric((world * chunks,), torch.int64)
     dc = ctx.dev_comm(lsa_barriers=max(ctas, 1))
     if dc.lsa_size != world or dc.lsa_rank != rank:
@@ -230,14 +244,35 @@ def setup(ctx, shape):
     peers = [(rank + j) % world for j in range(1, world)]
     return {
         "a_full": a_full, "flags": flags, "dc": dc,
-        "a_win": ctx.window(a_full), "flag_win": ctx.window(flags),
+        "a_win": None if taco else ctx.window(a_full), "flag_win": ctx.window(flags),
         "push": module.kernel("cw_ag_push"), "wait": module.kernel("cw_ag_wait"), "barrier": module.kernel("cw_ag_barrier"),
         "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
-        "rows": m // world, "chunks": chunks, "ctas": ctas, "target": 1 if ce else ctas,
-        # backend ce: each peer's a_full and counters, addressed from here
+        "rows": m // world, "chunks": chunks, "ctas": ctas, "target": 1 if ce or taco else ctas,
+        # backend ce: each peer's a_full; ce and compression: its counters, addressed from here
         "peer_a": {p: ctx.peer_tensor(a_full, p) for p in peers} if ce else {},
-        "peer_flags": {p: ptr for p, ptr in enumerate(ctx.peer_ptrs(flags)) if p in peers} if ce else {},
+        "peer_flags": {p: ptr for p, ptr in enumerate(ctx.peer_ptrs(flags)) if p in peers} if ce or taco else {},
+        "taco": taco,
     }
+
+
+def _taco_setup(ctx, shape, chunks):
+    """Compression: the quantizer's config, this rank's symmetric wire buffer (one packed message
+    per chunk, at a fixed stride) and every peer's, as mapped here."""
+    from commweave.taco import cuda as taco_cuda
+    from commweave.taco.quant import QuantConfig
+
+    fmt = {"fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}.get(CONFIG["compression"])
+    if fmt is None:
+        raise ValueError(f"CONFIG['compression'] must be 'none', 'fp8_e4m3' or 'fp8_e5m2', not {CONFIG['compression']!r}")
+    if CONFIG["backend"] != "lsa" or not CONFIG["overlap"]:
+        raise ValueError("compression pulls each chunk as its flag lands: it needs backend 'lsa' and overlap=True, "
+                         f"not backend {CONFIG['backend']!r} with overlap={CONFIG['overlap']}")
+    cfg = QuantConfig(CONFIG["group_size"], fmt)  # raises for a group size TACO does not take
+    rows = shape["M"] // ctx.world_size
+    stride = cfg.packed_stride(-(-rows // chunks) * shape["K"])  # the largest chunk's message, 16-byte aligned
+    wire = ctx.symmetric((chunks * stride,), torch.uint8, zero=False)
+    return {"cfg": cfg, "cuda": taco_cuda, "wire": wire, "stride": stride,
+            "peer_wire": {p: ctx.peer_tensor(wire, p) for p in range(ctx.world_size) if p != ctx.rank}}
 
 
 def run(ctx, state, inputs, out):
@@ -255,7 +290,9 @@ def _call(ctx, state, inputs, out):
     main, comm = torch.cuda.current_stream(ctx.device), state["stream"]
 
     comm.wait_stream(main)  # this rank's previous GEMMs and counter reset are done
-    if CONFIG["backend"] == "ce":
+    if state["taco"] is not None:
+        _compress_and_signal(ctx, state, a, comm)
+    elif CONFIG["backend"] == "ce":
         _copy_engine_push(ctx, state, a, comm)
     else:
         state["push"].launch(state["ctas"], CONFIG["threads"], [
@@ -299,6 +336,33 @@ def _copy_engine_push(ctx, state, a, comm):
             stream_write(state["peer_flags"][peer] + 8 * (rank * chunks + c), 1, comm)
 
 
+def _compress_and_signal(ctx, state, a, comm):
+    """Compression: barrier, then per chunk TACO-compress it into this rank's window and tell every
+    peer (a stream write after the kernel: its bytes are visible first)."""
+    world, rank, rows, chunks, taco = ctx.world_size, ctx.rank, state["rows"], state["chunks"], state["taco"]
+    state["barrier"].launch(1, 32, [state["dc"]], stream=comm)  # nobody still reads the previous call's wire
+    with torch.cuda.stream(comm):
+        for c in range(chunks):
+            r0, r1 = chunk_begin(rows, chunks, c), chunk_begin(rows, chunks, c + 1)
+            if r1 > r0:
+                lo = c * taco["stride"]
+                wire = taco["cfg"].wire_bytes((r1 - r0) * a.shape[1])
+                taco["cuda"].compress_into(a[r0:r1], taco["cfg"], taco["wire"][lo:lo + wire])
+            for j in range(1, world):
+                stream_write(state["peer_flags"][(rank + j) % world] + 8 * (rank * chunks + c), 1, comm)
+
+
+def _pull(state, src, c, r0, r1, part):
+    """Compression: source `src`'s chunk c, read from its window and decompressed into a_full."""
+    from commweave.taco.quant import packed_view
+
+    taco, k = state["taco"], state["a_full"].shape[1]
+    lo = c * taco["stride"]
+    message = packed_view(taco["peer_wire"][src][lo:lo + taco["cfg"].wire_bytes((r1 - r0) * k)], (r1 - r0, k),
+                          torch.bfloat16, taco["cfg"])
+    taco["cuda"].gather_into([message], state["a_full"][part])
+
+
 def _gemms(ctx, state, inputs, out, main):
     """Local shard first, then each remote piece as its flag arrives (deferred: all at once)."""
     a, b = inputs["a"], inputs["b"]
@@ -323,5 +387,7 @@ def _gemms(ctx, state, inputs, out, main):
             else:
                 state["wait"].launch(1, 1, [state["flags"], src * chunks + c, target], stream=main)
         part = slice(src * rows + r0, src * rows + r1)
+        if state["taco"] is not None:
+            _pull(state, src, c, r0, r1, part)
         torch.matmul(state["a_full"][part], b, out=out[part])
 # EVOLVE-BLOCK-END
