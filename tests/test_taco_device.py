@@ -110,49 +110,37 @@ def test_all_reduce_is_identical_on_every_rank_and_close_to_the_exact_sum():
         assert float((got[0][i] - exact).norm() / exact.norm()) < 0.05
 
 
+def _barriers(double: bool, op: str, calls: int, pieces: int = 1) -> tuple[int, int]:
+    """(barriers, pipelined calls) after `calls` back-to-back all-gathers or two-shots on 2 ranks,
+    checked hazard-free."""
+    x = torch.randn(4, 1024)
+
+    def body(coll, r):
+        for _ in range(calls):
+            if op == "two_shot":
+                coll.all_reduce(x, QuantConfig(), "two_shot")
+            else:
+                coll.all_gather(x, QuantConfig())
+        return coll.barriers, coll.epoch
+
+    got, node = taco_jobs.simulate(2, body, double, pieces=pieces)
+    assert node.hazards() == []
+    return got[0]
+
+
 def test_barriers_per_call_single_vs_double_buffered():
     """Single buffer: back-to-back single-phase calls need a barrier before rewriting (two per call,
     the first call excepted); double buffer: one. Two-shot: its own two, either way."""
-    x = torch.randn(4, 128)
-    cfg = QuantConfig()
-
-    def count(double: bool, op: str, calls: int) -> int:
-        def body(coll, r):
-            for _ in range(calls):
-                if op == "two_shot":
-                    coll.all_reduce(x, cfg, "two_shot")
-                else:
-                    coll.all_gather(x, cfg)
-            return coll.barriers
-        got, node = taco_jobs.simulate(2, body, double)
-        assert node.hazards() == []
-        return got[0]
-
-    assert count(False, "all_gather", 3) == 5 and count(True, "all_gather", 3) == 3
-    assert count(False, "two_shot", 3) == 6 and count(True, "two_shot", 3) == 6
+    assert _barriers(False, "all_gather", 3) == (5, 0) and _barriers(True, "all_gather", 3) == (3, 0)
+    assert _barriers(False, "two_shot", 3) == (6, 0) and _barriers(True, "two_shot", 3) == (6, 0)
 
 
 def test_barriers_per_call_pipelined(monkeypatch):
     """Pipelined calls need no barrier between writing and reading (flags), only the rewrite one:
     single buffer one per call after the first, double buffer one every other call, two-shot alike."""
     monkeypatch.setattr(device, "MIN_PIECE", 1024)
-    x = torch.randn(4, 1024)
-    cfg = QuantConfig()
-
-    def count(double: bool, op: str, calls: int) -> tuple[int, int]:
-        def body(coll, r):
-            for _ in range(calls):
-                if op == "two_shot":
-                    coll.all_reduce(x, cfg, "two_shot")
-                else:
-                    coll.all_gather(x, cfg)
-            return coll.barriers, coll.epoch
-        got, node = taco_jobs.simulate(2, body, double, pieces=4)
-        assert node.hazards() == []
-        return got[0]
-
-    assert count(False, "all_gather", 3) == (2, 3) and count(True, "all_gather", 3) == (1, 3)
-    assert count(False, "two_shot", 3) == (2, 3) and count(True, "two_shot", 3) == (1, 3)
+    assert _barriers(False, "all_gather", 3, 4) == (2, 3) and _barriers(True, "all_gather", 3, 4) == (1, 3)
+    assert _barriers(False, "two_shot", 3, 4) == (2, 3) and _barriers(True, "two_shot", 3, 4) == (1, 3)
 
 
 def test_a_missing_flag_wait_is_caught_by_the_hazard_log(monkeypatch):

@@ -77,61 +77,45 @@ def _expert_rows(ends, e):
 
 
 @triton.jit
-def _gate_up_swiglu_kernel(x, w13, h, ends, inter, hidden, sx, sw_e, sw_n, sh,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           STAGES: tl.constexpr, EVEN_K: tl.constexpr):
-    e = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_live = n < inter
-    start, end = _expert_rows(ends, e)
-    w_gate = w13 + e.to(tl.int64) * sw_e + n[:, None].to(tl.int64) * sw_n
-    w_up = w_gate + inter * sw_n
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        r_live = rows < end
-        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                xt = tl.load(x + rows[None, :] * sx + k[:, None], mask=r_live[None, :], other=0.0)
-                wg = tl.load(w_gate + k[None, :], mask=n_live[:, None], other=0.0)
-                wu = tl.load(w_up + k[None, :], mask=n_live[:, None], other=0.0)
-            else:
-                k_live = k < hidden
-                xt = tl.load(x + rows[None, :] * sx + k[:, None], mask=r_live[None, :] & k_live[:, None], other=0.0)
-                wg = tl.load(w_gate + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
-                wu = tl.load(w_up + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
-            acc_gate = tl.dot(wg, xt, acc_gate)
-            acc_up = tl.dot(wu, xt, acc_up)
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        tl.store(h + rows[None, :] * sh + n[:, None], act.to(h.dtype.element_ty), mask=r_live[None, :] & n_live[:, None])
+def _rows_tile(x, sx, rows, r_live, k, k_dim, EVEN_K: tl.constexpr):
+    """Rows^T [BLOCK_K, BLOCK_M]: elements k of each live row (zeros elsewhere)."""
+    mask = r_live[None, :] if EVEN_K else r_live[None, :] & (k < k_dim)[:, None]
+    return tl.load(x + rows[None, :] * sx + k[:, None], mask=mask, other=0.0)
 
 
 @triton.jit
-def _down_kernel(h, w2, y, ends, hidden, inter, sh, sw_e, sw_n, sy,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+def _weights_tile(w, n_live, k, k_dim, EVEN_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] of the weight rows at w (pointers per row), elements k."""
+    mask = n_live[:, None] if EVEN_K else n_live[:, None] & (k < k_dim)[None, :]
+    return tl.load(w + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _streamed_kernel(x, w, out, ends, n_out, k_dim, sx, sw_e, sw_n, so,
+                     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[r, n] for expert e = program_id(0) and n in this program's BLOCK_N columns: x[r] @ w_e[n]
+    (down), or with GATED SiLU(x[r] @ w_e[n]) * (x[r] @ w_e[n + n_out]) (gate rows, then up rows)."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_live = n < hidden
+    n_live = n < n_out
     start, end = _expert_rows(ends, e)
-    w = w2 + e.to(tl.int64) * sw_e + n[:, None].to(tl.int64) * sw_n
+    w_first = w + e.to(tl.int64) * sw_e + n[:, None].to(tl.int64) * sw_n
+    w_second = w_first + n_out * sw_n  # up rows (GATED only)
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         r_live = rows < end
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in tl.range(0, k_dim, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                ht = tl.load(h + rows[None, :] * sh + k[:, None], mask=r_live[None, :], other=0.0)
-                wt = tl.load(w + k[None, :], mask=n_live[:, None], other=0.0)
-            else:
-                k_live = k < inter
-                ht = tl.load(h + rows[None, :] * sh + k[:, None], mask=r_live[None, :] & k_live[:, None], other=0.0)
-                wt = tl.load(w + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
-            acc = tl.dot(wt, ht, acc)
-        tl.store(y + rows[None, :] * sy + n[:, None], acc.to(y.dtype.element_ty), mask=r_live[None, :] & n_live[:, None])
+            xt = _rows_tile(x, sx, rows, r_live, k, k_dim, EVEN_K)
+            acc = tl.dot(_weights_tile(w_first, n_live, k, k_dim, EVEN_K), xt, acc)
+            if GATED:
+                acc_up = tl.dot(_weights_tile(w_second, n_live, k, k_dim, EVEN_K), xt, acc_up)
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(out + rows[None, :] * so + n[:, None], acc.to(out.dtype.element_ty), mask=r_live[None, :] & n_live[:, None])
 
 
 def _check(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, k_dim: int, name: str) -> None:
@@ -146,6 +130,15 @@ def _check(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, k_dim:
                          f"not {ends.dtype} {tuple(ends.shape)}")
 
 
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ends: torch.Tensor, n_out: int, tiles: Tiles,
+            gated: bool) -> None:
+    k_dim = x.shape[1]
+    grid = (w.shape[0], triton.cdiv(n_out, tiles.block_n))
+    _streamed_kernel[grid](x, w, out, ends, n_out, k_dim, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                           GATED=gated, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                           STAGES=tiles.stages, EVEN_K=k_dim % tiles.block_k == 0, num_warps=tiles.warps)
+
+
 def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, ends: torch.Tensor, tiles: Tiles = Tiles(),
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """h [rows, I] = SiLU(x @ gate^T) * (x @ up^T) per expert over the expert-major rows of x
@@ -157,10 +150,7 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, ends: torch.Tensor, tiles
     h = out if out is not None else x.new_empty(x.shape[0], inter)
     if h.shape != (x.shape[0], inter) or h.stride(1) != 1:
         raise ValueError(f"gate_up_swiglu: out must be [{x.shape[0]}, {inter}] and contiguous by row, not {tuple(h.shape)}")
-    grid = (w13.shape[0], triton.cdiv(inter, tiles.block_n))
-    _gate_up_swiglu_kernel[grid](x, w13, h, ends, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-                                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                                 STAGES=tiles.stages, EVEN_K=hidden % tiles.block_k == 0, num_warps=tiles.warps)
+    _launch(x, w13, h, ends, inter, tiles, gated=True)
     return h
 
 
@@ -173,8 +163,5 @@ def down(h: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, tiles: Tiles = T
     y = out if out is not None else h.new_empty(h.shape[0], hidden)
     if y.shape != (h.shape[0], hidden) or y.stride(1) != 1:
         raise ValueError(f"down: out must be [{h.shape[0]}, {hidden}] and contiguous by row, not {tuple(y.shape)}")
-    grid = (w2.shape[0], triton.cdiv(hidden, tiles.block_n))
-    _down_kernel[grid](h, w2, y, ends, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                       STAGES=tiles.stages, EVEN_K=inter % tiles.block_k == 0, num_warps=tiles.warps)
+    _launch(h, w2, y, ends, hidden, tiles, gated=False)
     return y
