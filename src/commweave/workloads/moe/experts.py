@@ -49,10 +49,11 @@ class Tiles:
             raise ValueError(f"Tiles.warps must be one of 1, 2, 4, 8, 16, not {self.warps}")
 
 
-#: measured best tiles (bench/results/probe-moe-experts-1gpu-20261201T041232Z.json), keyed by the
-#: largest balanced rows per local expert they serve: (gate_up tiles, down tiles)
+#: measured best tiles (bench/results/probe-moe-experts-1gpu-20261201T041232Z.json and
+#: …T043903Z.json: the best gate/up tiles within 1 % of each other, down best at (32, 128, 64, 3) at
+#: 8 and 16 rows), keyed by the largest balanced rows per local expert they serve: (gate_up, down)
 STREAMED_TILES = {
-    32: (Tiles(block_m=32, block_n=128, block_k=128, stages=3), Tiles(block_m=32, block_n=64, block_k=128, stages=3)),
+    32: (Tiles(block_m=32, block_n=128, block_k=128, stages=3), Tiles(block_m=32, block_n=128, block_k=64, stages=3)),
     64: (Tiles(block_m=64, block_n=64, block_k=64, stages=3), Tiles(block_m=64, block_n=128, block_k=64, stages=3)),
 }
 #: beyond this many rows per expert `torch._grouped_mm` is faster (512 rows: 4.5 ms against 14.4)
