@@ -389,27 +389,74 @@ struct Sources {
   unsigned long long ptr[8];  // packed messages (payload, post-scales[, pre-scales]), any rank's window
 };
 
+// cp.async: 16 bytes global -> shared without passing through registers (L2 only: streamed once)
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // Compress `segments` messages of `numel` elements each, message s at x + s * x_stride, into packed
 // message s at buf + s * buf_stride (16-byte aligned), all but message `skip` (-1: none; a
 // reduce-scatter's own chunk). vec: x and x_stride allow 16-byte loads.
+// A warp's next whole item is fetched into its shared inbox (cp.async, coalesced, swizzled as the
+// stage) while it compresses the current one: the loads' latency hides behind the arithmetic
+// without holding registers (the compression takes ~120 of its 128). Partial items load directly.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
               int vec, int skip) {
   using T = typename Storage<TACO_IN>::T;
+  constexpr int LANE_BYTES = E * sizeof(T);  // a lane's input bytes
+  constexpr int P = LANE_BYTES / 16;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
+  __shared__ __align__(16) uint8_t inbox[8][32 * LANE_BYTES];  // a warp's next item's input
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
   const long long groups = (numel + G - 1) / G;
   const long long per_segment = (numel + ITEM - 1) / ITEM;
   const long long items = per_segment * segments;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  for (long long item = blockIdx.x * (long long)(blockDim.x / 32) + warp; item < items; item += warps) {
+  // items of the skipped segment are never visited (warp-uniform)
+  auto skipped = [&](long long item) { return item < items && item / per_segment == skip; };
+  auto whole = [&](long long item) { return vec && (item % per_segment + 1) * ITEM <= numel; };
+  auto prefetch = [&](long long item) {  // the item's input, chunk c = 32 k + lane to its stage slot
     const long long seg = item / per_segment;
-    if (seg == skip) continue;  // warp-uniform
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(x + seg * x_stride + (item - seg * per_segment) * ITEM);
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int c = 32 * k + lane;
+      copy_async16(inbox[warp] + stage_slot<LANE_BYTES>(c / P, c % P), src + 16 * c);
+    }
+    copy_async_commit();
+  };
+  long long item = blockIdx.x * (long long)(blockDim.x / 32) + warp;
+  while (skipped(item)) item += warps;
+  if (item < items && whole(item)) prefetch(item);
+  while (item < items) {
+    const long long seg = item / per_segment;
     const long long item_first = (item - seg * per_segment) * ITEM, first = item_first + lane * E;
     float v[E];
-    load_lane(x + seg * x_stride + first, first, numel, vec, v);
+    const bool fetched = whole(item);  // warp-uniform
+    if (fetched) {
+      copy_async_wait_all();
+      __syncwarp();
+      constexpr int N = 16 / sizeof(T);
+#pragma unroll
+      for (int j = 0; j < P; ++j) {
+        const Chunk<T> c = *reinterpret_cast<const Chunk<T>*>(inbox[warp] + stage_slot<LANE_BYTES>(lane, j));
+#pragma unroll
+        for (int r = 0; r < N; ++r) v[j * N + r] = to_float(c.v[r]);
+      }
+      __syncwarp();  // every lane has its values: the inbox may take the next item
+    } else {
+      load_lane(x + seg * x_stride + first, first, numel, vec, v);
+    }
+    long long next = item + warps;
+    while (skipped(next)) next += warps;
+    if (next < items && whole(next)) prefetch(next);
     compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first);
+    item = next;
   }
 }
 
