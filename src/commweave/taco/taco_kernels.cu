@@ -402,9 +402,10 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // reduce-scatter's own chunk). vec: x and x_stride allow 16-byte loads.
 // FP32 input: a warp's next whole item is fetched into its shared inbox (cp.async, coalesced,
 // swizzled as the stage) while it compresses the current one, so the loads' latency hides behind
-// the arithmetic without holding registers (the compression takes ~120 of its 128). Measured in one
-// run on an H200 (128 MiB, TACO defaults): FP32 184 -> 159 us; for 16-bit input the same fetch was
-// 5 % slower (126 -> 133 us), so 16-bit input and partial items load straight into registers.
+// the arithmetic without holding registers (the compression takes ~120 of its 128). Same-run A/B on
+// an H200 (128 MiB, TACO defaults; bench/results/ab-taco-kernels-1gpu-20261201T044600Z.json): FP32
+// 154 -> 129 us; for 16-bit input the fetch was 5 % slower in an earlier A/B (126 -> 133 us), so
+// 16-bit input and partial items load straight into registers.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
               int vec, int skip) {
