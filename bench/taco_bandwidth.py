@@ -63,7 +63,8 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--mibs", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--codecs", nargs="+", default=["cuda"], type=_variant,
-                   help="variants: cuda, triton, or <codec>-p<pieces> (pipelined, e.g. cuda-p4)")
+                   help="variants: cuda, triton, <codec>-p<pieces> (pipelined, e.g. cuda-p4), "
+                        "cuda-p<pieces>-b<blocks> (compression capped at that many blocks, e.g. cuda-p4-b132)")
     p.add_argument("--double-buffer", action="store_true", help="alternate two buffers per op (one barrier a call)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--plot", type=Path, help="only redraw the PNG of this results JSON")

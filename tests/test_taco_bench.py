@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).parents[1] / "bench" / "taco_error_table.py"
@@ -44,3 +45,21 @@ def test_bandwidth_plot_from_rows(tmp_path):
              "cuda_speedup": 0.9 * mib ** 0.05} for op in module.OPS for mib in (1, 16, 256)]
     path = module.plot(rows, tmp_path / "bw.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_bandwidth_variants():
+    """The measured variants name DeviceBackend arguments; a bad name says what a variant is."""
+    from commweave.taco.bandwidth import variant
+    from commweave.taco.device import DeviceBackend
+
+    assert variant("cuda") == {"codec": "cuda", "pieces": 1, "compress_blocks": None}
+    assert variant("triton-p2") == {"codec": "triton", "pieces": 2, "compress_blocks": None}
+    assert variant("cuda-p4-b132") == {"codec": "cuda", "pieces": 4, "compress_blocks": 132}
+    for bad in ("nccl", "cuda-px", "triton-p4-b8", "cuda-p4-b"):
+        with pytest.raises(ValueError, match="a variant is cuda, triton"):
+            variant(bad)
+    assert DeviceBackend(**variant("cuda-p4-b132")).compress_blocks == 132
+    with pytest.raises(ValueError, match="compress_blocks caps the CUDA codec"):
+        DeviceBackend(codec="triton", compress_blocks=8)
+    with pytest.raises(ValueError, match="compress_blocks caps the CUDA codec"):
+        DeviceBackend(compress_blocks=0)

@@ -82,6 +82,8 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.compress_into(x, cfg, torch.empty(2 * cfg.packed_stride(512), dtype=torch.uint8), segments=2, skip=2)
     with pytest.raises(ValueError, match="uint8 tensor of 1088 bytes for 2 message"):
         cuda.compress_into(x, cfg, buf[:-4], segments=2)
+    with pytest.raises(ValueError, match="max_blocks must be at least 1"):
+        cuda.compress_into(x, cfg, buf, max_blocks=0)
     with pytest.raises(ValueError, match="need CUDA tensors"):
         cuda.compress_into(x, cfg, buf)
     with pytest.raises(ValueError, match="need CUDA tensors"):

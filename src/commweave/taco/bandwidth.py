@@ -9,6 +9,7 @@ one call (`timing.gated_seconds`: held until queued, ranks lined up by a device 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,12 +36,18 @@ def _iters(mib: float) -> int:
     return 30 if mib <= 16 else 10
 
 
-def variant(name: str) -> tuple[str, int]:
-    """A measured variant's (codec, pieces): "cuda", "triton", or "<codec>-p<pieces>" (pipelined)."""
-    codec, _, pieces = name.partition("-p")
-    if codec not in ("cuda", "triton") or (pieces and not pieces.isdigit()):
-        raise ValueError(f"a variant is cuda, triton or <codec>-p<pieces> (e.g. cuda-p4), not {name!r}")
-    return codec, int(pieces or 1)
+_VARIANT = re.compile(r"^(cuda|triton)(?:-p(\d+))?(?:-b(\d+))?$")
+
+
+def variant(name: str) -> dict[str, Any]:
+    """A measured variant's DeviceBackend arguments: "cuda", "triton", "<codec>-p<pieces>"
+    (pipelined), "cuda-p<pieces>-b<blocks>" (its compression capped at that many blocks)."""
+    m = _VARIANT.match(name)
+    if not m or (m.group(3) and m.group(1) != "cuda"):
+        raise ValueError(f"a variant is cuda, triton, <codec>-p<pieces> or cuda-p<pieces>-b<blocks> (e.g. cuda-p4, "
+                         f"cuda-p4-b132), not {name!r}")
+    return {"codec": m.group(1), "pieces": int(m.group(2) or 1),
+            "compress_blocks": int(m.group(3)) if m.group(3) else None}
 
 
 def measure(ctx: Any, mibs: Sequence[float] = (16, 256), codecs: Sequence[str] = ("cuda",),
@@ -52,8 +59,7 @@ def measure(ctx: Any, mibs: Sequence[float] = (16, 256), codecs: Sequence[str] =
 
     world = ctx.world_size
     cfg = QuantConfig(**(cfg_kwargs or {}))
-    backends = {name: DeviceBackend(ctx, double_buffer=double_buffer, codec=variant(name)[0], pieces=variant(name)[1])
-                for name in codecs}
+    backends = {name: DeviceBackend(ctx, double_buffer=double_buffer, **variant(name)) for name in codecs}
     rows = []
     for mib in mibs:
         n = int(mib * (1 << 20)) // 2 // (world * cfg.group_size) * (world * cfg.group_size)

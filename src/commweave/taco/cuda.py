@@ -77,13 +77,16 @@ def _module(device_index: int, source: str):
         return Module(compile_cubin(source).path, "taco_kernels")
 
 
-def _launch(device: torch.device, source: str, name: str, warp_items: int, args: list) -> None:
-    """Launch kernel `name` of `source`'s cubin on `device`'s current stream, one warp per item."""
+def _launch(device: torch.device, source: str, name: str, warp_items: int, args: list,
+            max_blocks: int | None = None) -> None:
+    """Launch kernel `name` of `source`'s cubin on `device`'s current stream, one warp per item (a
+    grid of at most `max_blocks` blocks when given: the warps loop over the rest)."""
     if device.type != "cuda":
         raise ValueError(f"the CUDA kernels need CUDA tensors, got {device} (use impl='reference' or the Triton kernels)")
     index = device.index if device.index is not None else torch.cuda.current_device()
+    grid = _grid(index, warp_items)
     with torch.cuda.device(index):
-        _module(index, source).kernel(name)(_grid(index, warp_items), THREADS, args)
+        _module(index, source).kernel(name)(grid if max_blocks is None else min(grid, max_blocks), THREADS, args)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,19 +109,22 @@ def _aligned(ptr: int, stride_bytes: int) -> bool:
 
 
 def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                  skip: int | None = None) -> torch.Tensor:
+                  skip: int | None = None, max_blocks: int | None = None) -> torch.Tensor:
     """Compress `x` into `buf` (16-byte aligned) in `quant.pack`'s layout; with `segments` > 1, x
     (split into that many equal chunks along dim 0) into as many packed messages, chunk q at
     q * cfg.packed_stride(chunk) (what a reduce-scatter sends rank q), all but chunk `skip` (its
     bytes are left as they are). x may also be a [segments, chunk] view whose rows are contiguous
     but apart (a column slice of every rank's chunk: a pipelined reduce-scatter's piece); it is read
-    in place. One launch; returns buf."""
+    in place. One launch, of at most `max_blocks` blocks of 256 threads when given (what a caller
+    lends the compression beside other kernels, e.g. a pipelined collective's reads); returns buf."""
     if x.dtype not in DTYPE_CODE:
         raise TypeError(f"the CUDA kernels compress float32, float16 or bfloat16 tensors, got {x.dtype}")
     if x.dim() == 0 or segments < 1 or x.shape[0] % segments:
         raise ValueError(f"cannot split shape {tuple(x.shape)} into {segments} equal chunks along dim 0")
     if skip is not None and not 0 <= skip < segments:
         raise ValueError(f"skip must be a chunk index in 0..{segments - 1} or None, got {skip}")
+    if max_blocks is not None and max_blocks < 1:
+        raise ValueError(f"max_blocks must be at least 1 or None, got {max_blocks}")
     rows = x.dim() == 2 and x.shape[0] == segments and x.stride(1) == 1 and not x.is_contiguous()
     if not rows:
         x = x.contiguous()
@@ -138,7 +144,7 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
         return buf
     vec = _aligned(x.data_ptr(), chunk * x.element_size()) and _aligned(0, x_stride * x.element_size())
     _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(chunk),
-            [x, chunk, x_stride, segments, buf, stride, int(vec), -1 if skip is None else skip])
+            [x, chunk, x_stride, segments, buf, stride, int(vec), -1 if skip is None else skip], max_blocks)
     return buf
 
 

@@ -223,16 +223,21 @@ class TritonCodec(PerMessageCodec):
 
 class CudaCodec:
     """The CUDA kernels (`taco/cuda.py`, bit for bit the reference): one launch compresses every
-    chunk, one reads every rank's message (gathering, or summing in FP32 and casting once)."""
+    chunk, one reads every rank's message (gathering, or summing in FP32 and casting once).
+    `compress_blocks`: the most thread blocks a compression takes (None: as many as it fills), so a
+    pipelined collective's compression leaves SMs to the reads beside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, compress_blocks: int | None = None) -> None:
         from commweave.taco import cuda
 
+        if compress_blocks is not None and compress_blocks < 1:
+            raise ValueError(f"compress_blocks must be at least 1 or None, got {compress_blocks}")
         self._k = cuda
+        self.compress_blocks = compress_blocks
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
                       skip: int | None = None) -> None:
-        self._k.compress_into(x, cfg, buf, segments, skip)
+        self._k.compress_into(x, cfg, buf, segments, skip, self.compress_blocks)
 
     def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
         self._k.gather_into(cs, out)
@@ -545,15 +550,20 @@ class DeviceBackend:
     context; a new context (after `commweave.ops.close()`) starts a new one. `codec`: "cuda" (the
     default: fused multi-rank kernels) or "triton" (one launch per message; for comparison)."""
 
-    def __init__(self, ctx: Any = None, double_buffer: bool = False, codec: str = "cuda", pieces: int = 1):
+    def __init__(self, ctx: Any = None, double_buffer: bool = False, codec: str = "cuda", pieces: int = 1,
+                 compress_blocks: int | None = None):
         if codec not in ("cuda", "triton"):
             raise ValueError(f"codec must be 'cuda' or 'triton' on GPUs, got {codec!r}")
         if not 1 <= pieces <= MAX_PIECES:
             raise ValueError(f"pieces must be in 1..{MAX_PIECES}, got {pieces}")
+        if compress_blocks is not None and (codec != "cuda" or compress_blocks < 1):
+            raise ValueError(f"compress_blocks caps the CUDA codec's compression grid: a positive count with codec "
+                             f"'cuda', got {compress_blocks} with codec {codec!r}")
         self._ctx = ctx
         self.double_buffer = double_buffer
         self.codec = codec
         self.pieces = pieces
+        self.compress_blocks = compress_blocks
         self._state: tuple[Any, DeviceCollectives] | None = None
 
     def collectives(self, x: torch.Tensor, group: Any = None) -> DeviceCollectives:
@@ -574,9 +584,12 @@ class DeviceBackend:
         if x.device != ctx.device:
             raise ValueError(f"the tensor is on {x.device}, the context on {ctx.device}")
         if self._state is None or self._state[0] is not ctx:
-            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), CODECS[self.codec](), self.double_buffer,
+            self._state = (ctx, DeviceCollectives(WindowTransport(ctx), self._make_codec(), self.double_buffer,
                                                       self.pieces))
         return self._state[1]
+
+    def _make_codec(self) -> Codec:
+        return CudaCodec(self.compress_blocks) if self.codec == "cuda" else CODECS[self.codec]()
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
         coll = self.collectives(x, group)
