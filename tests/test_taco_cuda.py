@@ -193,14 +193,18 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
                                             torch.empty(cfg.wire_bytes(own.numel()), dtype=torch.uint8, device=dev))
             if not torch.equal(packed.cpu(), quant.pack(quant.compress(expect.to(dtype), cfg))):
                 failures.append(f"sum_compress {cfg} in {dtype}")
-        # segments: chunk q of x compressed into message q
+        # segments: chunk q of x compressed into message q (also from strided rows, on a 3-block grid)
         x = torch.randn(4, 1000, device=dev, dtype=torch.bfloat16)
         seg, wire = cfg.packed_stride(1000), cfg.wire_bytes(1000)
-        buf = cuda.compress_into(x, cfg, torch.full((4 * seg,), 7, dtype=torch.uint8, device=dev), segments=4, skip=2)
-        for q in range(4):
-            expect = quant.pack(quant.compress(x[q].cpu(), cfg)) if q != 2 else torch.full((wire,), 7, dtype=torch.uint8)
-            if not torch.equal(buf[q * seg:q * seg + wire].cpu(), expect):
-                failures.append(f"segment {q} {cfg} (2 skipped)")
+        wide = torch.randn(4, 1512, device=dev, dtype=torch.bfloat16)
+        wide[:, 256:1256] = x
+        for what, src, blocks in (("contiguous", x, None), ("strided rows", wide[:, 256:1256], 3)):
+            buf = cuda.compress_into(src, cfg, torch.full((4 * seg,), 7, dtype=torch.uint8, device=dev), segments=4,
+                                     skip=2, max_blocks=blocks)
+            for q in range(4):
+                expect = quant.pack(quant.compress(x[q].cpu(), cfg)) if q != 2 else torch.full((wire,), 7, dtype=torch.uint8)
+                if not torch.equal(buf[q * seg:q * seg + wire].cpu(), expect):
+                    failures.append(f"segment {q} {cfg} (2 skipped, {what})")
     assert not failures, f"{len(failures)} mismatches: " + "; ".join(failures[:20])
 
 
