@@ -427,23 +427,28 @@ def test_seed_plan_on_host(wl: AttentionCP, world: int, index: int) -> None:
         assert (out - ref).norm() / ref.norm() < 1e-4
 
 
-@pytest.mark.parametrize("world,index,chunks", [(2, 0, 1), (4, 0, 3), (4, 2, 2), (2, 1, 200)])
-def test_seed_pull_plan_on_host(wl: AttentionCP, world: int, index: int, chunks: int) -> None:
+@pytest.mark.parametrize("world,index,chunks,accumulate,q_block", [(2, 0, 1, "float32", 0), (4, 0, 3, "float32", 0),
+                                                                   (4, 2, 2, "out", 0), (2, 1, 200, "float32", 0),
+                                                                   (2, 0, 2, "out", 0), (4, 1, 2, "out", 7), (2, 0, 3, "out", 5)])
+def test_seed_pull_plan_on_host(wl: AttentionCP, world: int, index: int, chunks: int, accumulate: str, q_block: int) -> None:
     """The pull seed's plan (`piece_plan`) and its `_attend` on CPU:
     the local blocks plus its pull order's pieces, each copied into a slot as `cw_kv_pull` does,
-    cover every key once and merge to the reference. chunks=200 leaves pieces empty."""
+    cover every key once and merge to the reference, into a float32 accumulator or straight into
+    the bf16 output (within bf16 rounding), whole segments or q_block queries a call (causal
+    diagonal blocks whole). chunks=200 leaves pieces empty."""
     pull = load_program(wl.program_text("seed_pull"), "seed_pull")
+    pull.CONFIG["q_block"] = q_block
     s = wl.check_shapes(world)[index]
     causal = bool(s["CAUSAL"])
     shards = [wl.make_inputs(s, world, r, 4, CPU) for r in range(world)]
     for rank in range(world):
         q_segments, pieces = piece_plan(s["S"], world, rank, causal, chunks)
         order = [((rank - j) % world, p) for j in range(1, world) for p, ((a, b), _) in enumerate(pieces[(rank - j) % world]) if b > a]
-        state = {"acc": torch.zeros(s["S"] // world, s["HQ"], s["D"]),
-                 "lse": torch.full((s["S"] // world, s["HQ"]), float("-inf")), "causal": causal, "scale": s["D"] ** -0.5}
+        acc = torch.zeros(s["S"] // world, s["HQ"], s["D"], dtype=torch.float32 if accumulate == "float32" else torch.bfloat16)
+        state = {"lse": torch.full((s["S"] // world, s["HQ"]), float("-inf")), "causal": causal, "scale": s["D"] ** -0.5}
         q, k, v = shards[rank]["q"], shards[rank]["k"], shards[rank]["v"]
         for (a, b), row in q_segments:
-            pull._attend(state, q, k[row:row + b - a], v[row:row + b - a], (a, b), q_segments)
+            pull._attend(state, acc, q, k[row:row + b - a], v[row:row + b - a], (a, b), q_segments)
         rows = max(b - a for r in range(world) for (a, b), _ in pieces[r])
         slot = torch.full((2, rows, s["HKV"], s["D"]), float("nan"), dtype=torch.bfloat16)
         covered = [shard_positions(s["S"], world, rank, causal)]
@@ -451,11 +456,11 @@ def test_seed_pull_plan_on_host(wl: AttentionCP, world: int, index: int, chunks:
             (a, b), row = pieces[src][p]
             slot[0, :b - a] = shards[src]["k"][row:row + b - a]
             slot[1, :b - a] = shards[src]["v"][row:row + b - a]
-            pull._attend(state, q, slot[0, :b - a], slot[1, :b - a], (a, b), q_segments)
+            pull._attend(state, acc, q, slot[0, :b - a], slot[1, :b - a], (a, b), q_segments)
             covered.append(torch.arange(a, b))
         assert torch.equal(torch.cat(covered).sort().values, torch.arange(s["S"]))
         ref = wl.reference(s, world, rank, 4, CPU)
-        assert (state["acc"] - ref).norm() / ref.norm() < 1e-4
+        assert (acc.float() - ref).norm() / ref.norm() < (1e-4 if accumulate == "float32" else 5e-3)
 
 
 PULL_CHECK_MAIN = r"""
@@ -512,6 +517,16 @@ def test_program_on_gpus(wl: AttentionCP, program: str, world: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [dict(accumulate="float32"), dict(q_block=1024, chunks=1, slots=1)])
+def test_seed_pull_variants_on_gpus(wl: AttentionCP, world: int, config: dict) -> None:
+    """The pull seed with a float32 accumulator (the default merges into the bf16 output), and with
+    1024 queries an attention call, one piece per source and a single slot."""
+    check_on_gpus("attention-cp", "seed_pull", world, [*(s.label for s in wl.check_shapes(world)), "s16384-q32kv8-d128-causal"],
+                  seed=6, config=config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 @pytest.mark.parametrize("native_gqa", [False, True])
 @pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (False, 40), (True, 64)])
@@ -549,6 +564,10 @@ def test_gpu_merge_two() -> None:
     merge_into(acc, acc_lse, o_a, lse_a)  # the fused in-place kernel on CUDA
     merge_into(acc, acc_lse, o_b, lse_b)
     assert torch.allclose(acc, want, atol=1e-2) and (acc[5] == 0).all()
+    out_acc, out_lse = torch.zeros_like(q), torch.full((129, 8), float("-inf"), device="cuda")  # bf16: the output itself
+    merge_into(out_acc, out_lse, o_a, lse_a)
+    merge_into(out_acc, out_lse, o_b, lse_b)
+    assert torch.allclose(out_acc.float(), want, atol=1e-2) and (out_acc[5] == 0).all() and torch.equal(out_lse, acc_lse)
 
 
 INTERPRETED_MERGES = r"""

@@ -179,13 +179,15 @@ def merge_two(out: torch.Tensor, out_a: torch.Tensor, lse_a: torch.Tensor, out_b
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """`merge_partials` written into the float32 accumulators (acc_out, acc_lse), which may be
-    views (e.g. one zigzag half of a rank's rows). Start them at 0 and -inf. On CUDA one Triton
-    kernel reads and writes the accumulators once (the torch merge is ~8 passes)."""
+    """`merge_partials` written into the accumulators (acc_out, acc_lse), which may be views (e.g.
+    one zigzag half of a rank's rows). Start them at 0 and -inf. acc_lse is float32; acc_out float32,
+    or the bf16/fp16 output itself (the merge's arithmetic stays float32; each merge rounds the
+    running result once). On CUDA one Triton kernel reads and writes the accumulators once (the
+    torch merge is ~8 passes)."""
     if out.shape != acc_out.shape or lse.shape != acc_lse.shape or out.shape[:-1] != lse.shape:
         raise ValueError(f"cannot merge out {tuple(out.shape)}/lse {tuple(lse.shape)} into "
                          f"accumulators {tuple(acc_out.shape)}/{tuple(acc_lse.shape)}")
-    if (acc_out.is_cuda and acc_out.dim() == 3 and acc_out.dtype == acc_lse.dtype == torch.float32
+    if (acc_out.is_cuda and acc_out.dim() == 3 and acc_lse.dtype == torch.float32
             and all(t.stride(-1) == 1 for t in (acc_out, out))):
         from commweave.workloads.attention_cp.merge_kernel import merge_into_acc
 
@@ -197,9 +199,14 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
 
 
 def attend_segments(acc_out: torch.Tensor, acc_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_range: tuple[int, int], q_segments, causal: bool, scale: float, **attention) -> None:
+                    k_range: tuple[int, int], q_segments, causal: bool, scale: float, q_block: int = 0,
+                    **attention) -> None:
     """Merge the attention of q's segments ((global q_range, row in q) pairs) over keys k, v at
-    global positions k_range into the accumulators; `attention` goes to `attention_with_lse`."""
+    global positions k_range into the accumulators; `attention` goes to `attention_with_lse`.
+    q_block > 0: at most that many queries an attention call (bounds the partial output's memory;
+    a causal diagonal block is never split: its mask is aligned to the block's start)."""
+    if q_block < 0:
+        raise ValueError(f"q_block must be 0 (whole segments) or positive, got {q_block}")
     for q_range, q_row in q_segments:
         kind = block_kind(q_range, k_range, causal)
         if kind == "skip":
@@ -207,8 +214,11 @@ def attend_segments(acc_out: torch.Tensor, acc_lse: torch.Tensor, q: torch.Tenso
         if kind == "partial":
             raise RuntimeError(f"block {q_range} x {k_range} is neither full, diagonal nor masked")
         n = q_range[1] - q_range[0]
-        o, lse = attention_with_lse(q[q_row:q_row + n], k, v, causal=kind == "causal", scale=scale, **attention)
-        merge_into(acc_out[q_row:q_row + n], acc_lse[q_row:q_row + n], o, lse)
+        step = n if kind == "causal" or q_block == 0 else q_block
+        for r in range(q_row, q_row + n, step):
+            m = min(step, q_row + n - r)
+            o, lse = attention_with_lse(q[r:r + m], k, v, causal=kind == "causal", scale=scale, **attention)
+            merge_into(acc_out[r:r + m], acc_lse[r:r + m], o, lse)
 
 
 # -- the reference --------------------------------------------------------------------------------

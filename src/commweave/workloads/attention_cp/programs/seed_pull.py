@@ -14,12 +14,14 @@ One call (replayed as a CUDA graph per input/output addresses after one eager ca
    wait for the current stream's event `done[i - slots]` (the slot is free again), then
    `cw_kv_pull` copies the piece's K and V rows from the source's `own_kv` into slot i % slots
    with 16-byte NVLink loads, and records `ready[i]`; the current stream waits for `ready[i]`,
-   runs the piece's attention (flash with LSE, merged into float32 accumulators), records
-   `done[i]`. All ordering is by stream events: no flags, no counters to reset.
-4. The current stream joins `comm`; `out` <- accumulators.
+   runs the piece's attention (flash with LSE, merged into the output: CONFIG `accumulate`),
+   records `done[i]`. All ordering is by stream events: no flags, no counters to reset.
+4. The current stream joins `comm` (with `accumulate="float32"`: `out` <- the accumulator).
 
 Peak extra memory: one shard of K/V plus `slots` pieces (the push seed and all-gather hold all W
-shards). The price: B0 and B1 per call, and a local copy of the shard into `own_kv`.
+shards), one attention call's partial output (`q_block` bounds it) and the float32 LSEs; with
+`accumulate="float32"` also a float32 accumulator of the output's size (4x this rank's K/V at GQA
+32/8). The price: B0 and B1 per call, and a local copy of the shard into `own_kv`.
 """
 
 import torch
@@ -37,6 +39,10 @@ CONFIG = dict(
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
     backend="auto",  # block attention: "cudnn", "flash" (both return the LSE), "torch" (float32 math), "auto"
     native_gqa=True,  # the kernel reads grouped KV heads itself (measured faster than repeating K/V per query head)
+    accumulate="out",  # "out": merge every piece straight into the bf16 output (LSEs in float32; each
+    #                    merge rounds once): no float32 accumulator, which at GQA 32/8 is 4x the size of
+    #                    this rank's K/V; "float32": a float32 accumulator, copied to out at the end
+    q_block=0,  # queries per attention call (0: whole segments); smaller bounds the partial output
 )
 MAX_GRAPHS = 32
 
@@ -93,6 +99,10 @@ def setup(ctx, shape):
     chunks, slots = CONFIG["chunks"], CONFIG["slots"]
     if slots < 1 or CONFIG["comm_ctas"] < 1:
         raise ValueError(f"CONFIG slots ({slots}) and comm_ctas ({CONFIG['comm_ctas']}) must be at least 1")
+    if CONFIG["accumulate"] not in ("out", "float32"):
+        raise ValueError(f"CONFIG['accumulate'] must be 'out' or 'float32', not {CONFIG['accumulate']!r}")
+    if CONFIG["q_block"] < 0:
+        raise ValueError(f"CONFIG['q_block'] must be 0 (whole segments) or positive, not {CONFIG['q_block']}")
     row_bytes = hkv * d * 2
     if row_bytes % 16:
         raise ValueError(f"a K/V row of {hkv} heads x {d} bf16 is {row_bytes} bytes, not a multiple of 16")
@@ -111,7 +121,7 @@ def setup(ctx, shape):
         "slots": [torch.empty(2, piece_rows, hkv, d, dtype=torch.bfloat16, device=ctx.device) for _ in range(min(slots, max(1, len(order))))],
         "ready": [torch.cuda.Event() for _ in order], "done": [torch.cuda.Event() for _ in order],
         "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "graphs": CallGraphs(MAX_GRAPHS),
-        "acc": torch.empty(local, hq, d, dtype=torch.float32, device=ctx.device),
+        "acc": torch.empty(local, hq, d, dtype=torch.float32, device=ctx.device) if CONFIG["accumulate"] == "float32" else None,
         "lse": torch.empty(local, hq, dtype=torch.float32, device=ctx.device),
         "rows": local, "row_units": row_bytes // 16, "order": order,
         "piece_ranges": piece_ranges, "q_segments": q_segments, "causal": causal, "scale": d ** -0.5,
@@ -125,10 +135,10 @@ def run(ctx, state, inputs, out):
         _call(ctx, state, inputs, out)
 
 
-def _attend(state, q, k, v, k_range, q_segments):
-    """Merge q's attention over keys k, v at global positions k_range into the accumulators."""
-    attend_segments(state["acc"], state["lse"], q, k, v, k_range, q_segments, state["causal"], state["scale"],
-                    backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
+def _attend(state, acc, q, k, v, k_range, q_segments):
+    """Merge q's attention over keys k, v at global positions k_range into acc (and the LSEs)."""
+    attend_segments(acc, state["lse"], q, k, v, k_range, q_segments, state["causal"], state["scale"],
+                    q_block=CONFIG["q_block"], backend=CONFIG["backend"], native_gqa=CONFIG["native_gqa"])
 
 
 def _call(ctx, state, inputs, out):
@@ -142,11 +152,12 @@ def _call(ctx, state, inputs, out):
         own[1].copy_(v)
     state["barrier"].launch(1, 128, [state["dc"]], stream=comm)  # B1: every own_kv holds this call's K, V
 
-    state["acc"].zero_()
+    acc = out if state["acc"] is None else state["acc"]
+    acc.zero_()  # (out arrives poisoned: a merge weighs it by 0, and 0 * NaN is NaN)
     state["lse"].fill_(float("-inf"))
     q_segments = state["q_segments"]
     for (a, b), row in q_segments:  # the local blocks: own K and V from the inputs, nothing to wait for
-        _attend(state, q, k[row:row + b - a], v[row:row + b - a], (a, b), q_segments)
+        _attend(state, acc, q, k[row:row + b - a], v[row:row + b - a], (a, b), q_segments)
     for i, (src, p) in enumerate(state["order"]):
         (a, b), row = state["piece_ranges"][src][p]
         n = b - a
@@ -158,8 +169,9 @@ def _call(ctx, state, inputs, out):
         ], stream=comm)
         state["ready"][i].record(comm)
         main.wait_event(state["ready"][i])
-        _attend(state, q, slot[0, :n], slot[1, :n], (a, b), q_segments)
+        _attend(state, acc, q, slot[0, :n], slot[1, :n], (a, b), q_segments)
         state["done"][i].record(main)
     main.wait_stream(comm)
-    out.copy_(state["acc"])
+    if state["acc"] is not None:
+        out.copy_(state["acc"])
 # EVOLVE-BLOCK-END
