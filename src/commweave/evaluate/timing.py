@@ -102,10 +102,15 @@ def gated_seconds(ctx: Any, fn: Callable[[], object], after: Callable[[], Any] |
     return start.elapsed_time(end) * 1e-3, seen
 
 
+HOLD_CYCLES = 2_000_000  # ~1 ms of GPU clock: longer than the host takes to queue a probe's launches
+
+
 def cuda_median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     """Median GPU time of `fn()` on the current stream in µs over `iters` calls (CUDA events),
     after `warmup` untimed ones: the one-GPU timer of probes and kernel tests (multi-rank calls:
-    `gated_seconds`)."""
+    `gated_seconds`). Each timed call is queued behind a ~1 ms spin kernel, so its launches are
+    all queued before the start event fires: the time is the GPU's, not the host's launch latency
+    (without the hold, a 50 µs kernel launched from Python measured ~90 µs)."""
     import torch
 
     for _ in range(warmup):
@@ -113,6 +118,7 @@ def cuda_median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> flo
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOLD_CYCLES)
         start.record()
         fn()
         end.record()
