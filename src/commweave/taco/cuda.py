@@ -32,7 +32,6 @@ DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FMT_CODE = {"e4m3": 0, "e5m2": 1}
 _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
 MAX_SOURCES = 8  # `Sources` in the .cu
-ELEMENTS_PER_LANE = 32  # TACO_E: a warp's work item is 32 lanes of this many elements
 THREADS = 256
 # register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
 # fewer registers; measured with bench/probe_taco_kernels.py: compress is fastest at 2 and spills
@@ -61,9 +60,7 @@ def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> s
     if not 1 <= n_sum <= MAX_SOURCES:
         raise ValueError(f"the summing decompress adds 1..{MAX_SOURCES} messages, got {n_sum}")
     code = DTYPE_CODE[io_dtype]
-    if cfg.group_size < ELEMENTS_PER_LANE:
-        raise ValueError(f"a group of {cfg.group_size} is less than a lane's {ELEMENTS_PER_LANE} elements")
-    macros = {"TACO_E": ELEMENTS_PER_LANE, "TACO_G": cfg.group_size, "TACO_FMT": _FMT_CODE[cfg.fmt], "TACO_HADAMARD": _HADAMARD_CODE[cfg.hadamard],
+    macros = {"TACO_G": cfg.group_size, "TACO_FMT": _FMT_CODE[cfg.fmt], "TACO_HADAMARD": _HADAMARD_CODE[cfg.hadamard],
               "TACO_DUAL": int(cfg.dual_scale), "TACO_CAST": DTYPE_CODE[cfg.transform_input_dtype],
               "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum,
               **{f"TACO_MIN_BLOCKS_{k.upper()}": _min_blocks(k, cfg) for k in MIN_BLOCKS_PER_SM},
@@ -103,8 +100,8 @@ def _grid(device_index: int, warp_items: int) -> int:
 
 
 def _items(numel: int) -> int:
-    """Work items (warps) of one message: 32 lanes' elements each (the .cu's ITEM)."""
-    return -(-numel // (32 * ELEMENTS_PER_LANE))
+    """Work items (warps) of one message: 1024 elements each (the .cu's ITEM)."""
+    return -(-numel // 1024)
 
 
 def _aligned(ptr: int, stride_bytes: int) -> bool:

@@ -14,7 +14,6 @@
 // reference's clamps.
 //
 // Specialised by the host (`taco/cuda.py`) with these macros, one cubin per combination:
-//   TACO_E         elements per lane (32; 16 halves the registers a lane holds)
 //   TACO_G         group size (32..512, a power of two)
 //   TACO_FMT       0: E4M3, 1: E5M2
 //   TACO_HADAMARD  0: off, 1: on, 2: adaptive (per group the lower L2 error; flag: negative scale)
@@ -35,13 +34,9 @@
 #include <cstdint>
 
 #define G TACO_G
-constexpr int E = TACO_E;                    // elements per lane (16 or 32)
-constexpr int LOG_E = E == 32 ? 5 : 4;
-constexpr int PIECES = E / 16;               // a lane's payload bytes, in 16-byte pieces
+constexpr int E = 32;                        // elements per lane
 constexpr int LANES = G / E;                 // lanes per group
-constexpr int LOG_LANES = LANES >= 32 ? 5 : LANES >= 16 ? 4 : LANES >= 8 ? 3 : LANES >= 4 ? 2 : LANES >= 2 ? 1 : 0;
-static_assert(E == 16 || E == 32, "TACO_E: 16 or 32 elements a lane");
-static_assert(LANES >= 1 && LANES <= 32, "a group spans 1..32 lanes");
+constexpr int LOG_LANES = LANES >= 16 ? 4 : LANES >= 8 ? 3 : LANES >= 4 ? 2 : LANES >= 2 ? 1 : 0;
 constexpr int ITEM = 32 * E;                 // elements per warp and work item
 constexpr unsigned FULL = 0xffffffffu;
 constexpr float FWHT_SCALE = TACO_FWHT_SCALE;  // 1/sqrt(G) rounded to FP32, as quant.fwht's
@@ -115,23 +110,6 @@ struct Payload {
   uint32_t w[E / 4];
 };
 
-__device__ __forceinline__ void payload_pieces(const Payload& q, uint4 (&p)[PIECES]) {
-#pragma unroll
-  for (int k = 0; k < PIECES; ++k) p[k] = make_uint4(q.w[4 * k], q.w[4 * k + 1], q.w[4 * k + 2], q.w[4 * k + 3]);
-}
-
-__device__ __forceinline__ Payload pieces_payload(const uint4 (&p)[PIECES]) {
-  Payload q;
-#pragma unroll
-  for (int k = 0; k < PIECES; ++k) {
-    q.w[4 * k] = p[k].x;
-    q.w[4 * k + 1] = p[k].y;
-    q.w[4 * k + 2] = p[k].z;
-    q.w[4 * k + 3] = p[k].w;
-  }
-  return q;
-}
-
 __device__ __forceinline__ uint8_t payload_byte(const Payload& p, int r) { return (p.w[r / 4] >> (8 * (r % 4))) & 0xff; }
 
 // -- a warp's shared staging buffer: lane-contiguous data <-> coalesced 16-byte global accesses ----
@@ -191,7 +169,7 @@ __device__ __forceinline__ float group_absmax(const float (&v)[E]) {
 // commutes, so either lane of a pair may add). Halves of 32 and more pair lanes LANES/2, .., 1
 // apart; each such pair splits the work: the lower lane keeps the sums of even (compact) indices,
 // the upper the odd ones, each sending the other half (half the values a step, half the shuffles).
-// Then the halves E/2 .. LANES within a lane's remaining values, then the last log2(LANES) halves
+// Then the halves 16 .. LANES within a lane's remaining values, then the last log2(LANES) halves
 // across the lanes that split them (both lanes of a pair end with the same sum).
 __device__ __forceinline__ float group_pairwise_sum(float (&s)[E], int lane) {
 #pragma unroll
@@ -206,7 +184,7 @@ __device__ __forceinline__ float group_pairwise_sum(float (&s)[E], int lane) {
       }
   }
 #pragma unroll
-  for (int bit = LOG_E - 1; bit >= LOG_LANES; --bit)  // constant bounds: fully unrolled, s stays in registers
+  for (int bit = 4; bit >= LOG_LANES; --bit)  // constant bounds: fully unrolled, s stays in registers
 #pragma unroll
     for (int c = 0; c < E / 2; ++c)
       if (c < (1 << (bit - LOG_LANES))) s[c] = __fadd_rn(s[c], s[c + (1 << (bit - LOG_LANES))]);
@@ -383,14 +361,13 @@ __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t*
   Payload q;
   float scale, pre;
   compress_group(v, lane, q, scale, pre);
-  uint4 pieces[PIECES];
-  payload_pieces(q, pieces);
+  const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
   const long long first = item_first + lane * E, group = first / G;
   if (item_first + ITEM <= groups * G) {  // warp-uniform
     store_staged<E>(stage, pieces, payload + item_first, lane);
   } else if (group < groups) {
-#pragma unroll
-    for (int k = 0; k < PIECES; ++k) reinterpret_cast<uint4*>(payload + first)[k] = pieces[k];
+    reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
+    reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
   }
   if (group < groups && lane % LANES == 0) {
     float* scales = reinterpret_cast<float*>(payload + groups * G);
@@ -486,11 +463,11 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   }
 }
 
-// One message's share of a work item, as loaded: whole items as PIECES coalesced 16-byte chunks per
-// lane (unstaged later), a partial item as this lane's own E bytes (nothing past the message's last
+// One message's share of a work item, as loaded: whole items as two coalesced 16-byte chunks per
+// lane (unstaged later), a partial item as this lane's own 32 bytes (nothing past the message's last
 // group is read); and this lane's group's scales.
 struct LaneData {
-  uint4 raw[PIECES];
+  uint4 raw[2];
   float scale, pre;
 };
 
@@ -502,12 +479,12 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
   d.pre = 1.0f;
   if (whole) {
     const uint4* src = reinterpret_cast<const uint4*>(payload + item_first);
-#pragma unroll
-    for (int k = 0; k < PIECES; ++k) d.raw[k] = src[32 * k + lane];
+    d.raw[0] = src[lane];
+    d.raw[1] = src[32 + lane];
   } else if (group < groups) {
     const uint4* src = reinterpret_cast<const uint4*>(payload + item_first + lane * E);
-#pragma unroll
-    for (int k = 0; k < PIECES; ++k) d.raw[k] = src[k];
+    d.raw[0] = src[0];
+    d.raw[1] = src[1];
   }
   if (group < groups) {
     const float* scales = reinterpret_cast<const float*>(payload + groups * G);
@@ -569,11 +546,10 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     if (SUM && i == own) {  // warp-uniform
       load_lane(reinterpret_cast<const T*>(src.ptr[i]) + first, first, numel, vec, v);
     } else {
-      uint4 mine[PIECES];
-#pragma unroll
-      for (int k = 0; k < PIECES; ++k) mine[k] = cur.raw[k];
+      uint4 mine[2] = {cur.raw[0], cur.raw[1]};
       if (item_first + ITEM <= groups * G) unstage<E>(my_stage, cur.raw, mine, lane);  // warp-uniform
-      decompress_group(pieces_payload(mine), cur.scale, cur.pre, lane, v);
+      const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
+      decompress_group(p, cur.scale, cur.pre, lane, v);
     }
 #pragma unroll
     for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
