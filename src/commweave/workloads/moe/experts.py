@@ -147,7 +147,7 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, ends: torch.Tensor, tiles
     _check(x, w13, ends, x.shape[1], "gate_up_swiglu")
     if w13.shape[1] % 2:
         raise ValueError(f"gate_up_swiglu: w13 holds gate rows then up rows, an even count, not {w13.shape[1]}")
-    inter, hidden = w13.shape[1] // 2, x.shape[1]
+    inter = w13.shape[1] // 2
     h = out if out is not None else x.new_empty(x.shape[0], inter)
     if h.shape != (x.shape[0], inter) or h.stride(1) != 1:
         raise ValueError(f"gate_up_swiglu: out must be [{x.shape[0]}, {inter}] and contiguous by row, not {tuple(h.shape)}")
@@ -160,7 +160,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, tiles: Tiles = T
     """y [rows, H] = h @ w2_e^T per expert over the expert-major rows of h (w2 [E, H, I]); rows
     past ends[-1] of the result are left unwritten."""
     _check(h, w2, ends, h.shape[1], "down")
-    hidden, inter = w2.shape[1], h.shape[1]
+    hidden = w2.shape[1]
     y = out if out is not None else h.new_empty(h.shape[0], hidden)
     if y.shape != (h.shape[0], hidden) or y.stride(1) != 1:
         raise ValueError(f"down: out must be [{h.shape[0]}, {hidden}] and contiguous by row, not {tuple(y.shape)}")
