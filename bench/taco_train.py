@@ -275,11 +275,12 @@ def _shard(window: torch.Tensor, rank: int, world: int, device: torch.device) ->
 
 
 def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str = "reference",
-              dtype: str = "float32", reference_steps: int = 0) -> dict:
+              dtype: str = "float32", reference_steps: int = 0, pieces: int = 1) -> dict:
     """Train the TP/SP model for train['steps'] steps (compression on or off) and return the loss
     history, validation losses and step times. With reference_steps > 0, also train the
     single-process reference model (full sequence, same weights, same batches) for that many
-    steps and return its losses, to check the TP model against it."""
+    steps and return its losses, to check the TP model against it. pieces > 1: the device
+    backend's pipelined collectives."""
     from commweave.taco import collectives as cc
     from commweave.taco.quant import QuantConfig
     from commweave.taco.tp import allreduce_sequence_parallel_grads
@@ -293,7 +294,7 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
         # bind the device backend to the pool's context instead of making a second one
         from commweave.taco.device import DeviceBackend
 
-        cc.register_backend("device", DeviceBackend(ctx=ctx))
+        cc.register_backend("device", DeviceBackend(ctx=ctx, pieces=pieces))
     cfg = QuantConfig() if compress else None
     corpus = load_corpus(tc.max_bytes)
 
@@ -453,13 +454,14 @@ def plot(plain: dict, taco: dict, title: str, path: Path, dtype: str = "bfloat16
     return path
 
 
-def run_both(pool: Any, model: dict, train: dict, backend: str, dtype: str, timeout_s: float) -> tuple[dict, dict]:
+def run_both(pool: Any, model: dict, train: dict, backend: str, dtype: str, timeout_s: float,
+             pieces: int = 1) -> tuple[dict, dict]:
     """Plain, then TACO, in the same pool: same seed, same batches."""
     job = f"{Path(__file__).stem}:train_job"  # workers import this module by name (bench/ on sys.path)
     runs = []
     for compress in (False, True):
         result = pool.run(job, timeout_s=timeout_s, model=model, train=train, compress=compress, backend=backend,
-                          dtype=dtype)
+                          dtype=dtype, pieces=pieces)
         if not result.ok:
             failure = result.first_failure()
             raise RuntimeError(f"training (compress={compress}) failed: {result.status}: "
@@ -485,6 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", choices=("reference", "device"), default="reference",
                    help="compressed collectives: host reference, or device-initiated (CUDA only)")
+    p.add_argument("--pieces", type=int, default=1,
+                   help="with --backend device: pipelined collectives in up to this many pieces (1: whole messages)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute/communication dtype (GPU default bf16; CPU fp32)")
     p.add_argument("--max-bytes", type=int, help="read only this many bytes of the stdlib")
     p.add_argument("--job-timeout", type=float, default=3600.0)
@@ -499,6 +503,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.gpus = 4
     if args.backend == "device" and args.cpu_ranks is not None:
         p.error("--backend device needs CUDA (--gpus)")
+    if args.pieces != 1 and args.backend != "device":
+        p.error("--pieces applies to --backend device only")
     if args.dtype is None:
         args.dtype = "float32" if args.cpu_ranks is not None else "bfloat16"
     return args
@@ -519,10 +525,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                max_bytes=args.max_bytes))
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}  # this script's directory: workers import it by name
     with WorkerPool(world, device="cpu" if on_cpu else "cuda", job_timeout_s=args.job_timeout, env=env) as pool:
-        plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout)
+        plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout, args.pieces)
     summary = summarize(plain, taco)
     name = f"taco-train-{world}{'cpu' if on_cpu else 'gpu'}"
-    config = {"world": world, "device": "cpu" if on_cpu else "cuda", "backend": args.backend, "dtype": args.dtype,
+    config = {"world": world, "device": "cpu" if on_cpu else "cuda", "backend": args.backend, "pieces": args.pieces,
+              "dtype": args.dtype,
               "model": model, "train": train, "compression": "QuantConfig() forward and gradient, every TP layer",
               "parallelism": f"tensor parallel {world}, sequence parallel"}
     png = plot(plain, taco, f"{name}: {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, "
