@@ -117,11 +117,11 @@ def test_pieces_need_the_device_backend():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,pieces,batch", [("reference", 1, 4), ("device", 1, 4), ("device", 4, 16)])
+@pytest.mark.parametrize("backend,pieces,batch", [("reference", 1, 4), ("device", 1, 4), ("device", 4, 64)])
 def test_short_training_check_on_gpus(tmp_path, backend, pieces, batch):
     """A short run on 4 GPUs (or 2): BF16, both modes finite, learning and close; prints the summary.
-    pieces 4: the device backend's pipelined collectives (batch 16: activations of 4 Mi elements,
-    four pieces of the 1 Mi elements a piece needs at least)."""
+    pieces 4: the device backend's pipelined collectives (batch 64: a rank's shard of the 16 Mi
+    activation elements is 4 Mi on 4 GPUs, four pieces of the 1 Mi elements a piece needs at least)."""
     gpus = 4 if torch.cuda.device_count() >= 4 else 2
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
