@@ -182,6 +182,31 @@ def test_proposer_never_repeats_what_memory_holds():
         memory.record(p.directives, parent, 0.0, "runtime_error")
 
 
+def test_one_move_switches_compression_on_where_the_tolerance_admits_it():
+    """compression and group_size move together (none <-> 0), so an exploit step can turn FP8 on:
+    on gemm-allgather-lossy's comm-bound shape the cost model ranks it first; on gemm-allgather
+    (bf16 tolerance) no proposal ever compresses."""
+    import random
+
+    from commweave.workloads import get_workload
+
+    lossy = get_workload("gemm-allgather-lossy")
+    template, shape = lossy.template(), lossy.parse_shape("16384x4096x8192", 4)
+    proposer = OfflineProposer(template, 4, lossy.cost(shape, 4))
+    seed = template.seed_directives()
+    on = proposer.with_value(seed, "compression", "fp8_e4m3")
+    assert (on.compression, on.group_size) == ("fp8_e4m3", 128) and template.check(on, 4) == []
+    assert (proposer.with_value(on, "group_size", 0).compression, proposer.with_value(on, "compression", "none").group_size) == ("none", 0)
+    first = proposer.propose(seed, "exploit", Memory(), random.Random(0))
+    assert first.directives.compression == "fp8_e4m3" and first.directives.group_size in (32, 64, 128, 256, 512)
+    plain = OfflineProposer(TEMPLATE, 4, TEMPLATE.wl.cost(SHAPE, 4))
+    memory, rng = Memory(), random.Random(1)
+    for phase in ("exploit", "explore") * 20:
+        p = plain.propose(TEMPLATE.seed_directives(), phase, memory, rng)
+        assert p.directives.compression == "none"
+        memory.record(p.directives, TEMPLATE.seed_directives(), 0.0, None)
+
+
 def test_compile_ahead_never_compiles_one_source_twice_at_once():
     active: dict[str, int] = {}
     overlap = []

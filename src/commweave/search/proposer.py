@@ -24,6 +24,7 @@ from commweave.workloads.base import Cost
 FAILURE_WEIGHT = {"timeout": 3.0, "illegal_address": 3.0, "wrong_result": 2.0, "nan": 2.0, "suspect": 2.0,
                   "runtime_error": 1.0, "compile_error": 1.0, "unavailable": 0.5}
 ORDERED = {"comm_ctas", "chunk_bytes", "group_size", "knob:threads"}  # numeric: prefer neighbouring values
+DEFAULT_GROUP_SIZE = 128  # TACO's: the group size compression switches on with
 
 
 @dataclass
@@ -104,9 +105,25 @@ class OfflineProposer:
         others = [v for v in values if v != current]
         return rng.choice(others) if others else current
 
+    def with_value(self, ds: DirectiveSet, dim: str, value: Any) -> DirectiveSet:
+        """ds with dim = value, and the dimension tied to it kept consistent: compression and
+        group_size switch on and off together (a format needs a group size, none needs 0), so one
+        move can turn compression on (a single-dimension step never could)."""
+        changes = {dim: value}
+        if dim == "compression":
+            if value == "none":
+                changes["group_size"] = 0
+            elif ds.get("group_size") == 0:
+                sizes = [g for g in self.values.get("group_size", ()) if g]
+                changes["group_size"] = DEFAULT_GROUP_SIZE if DEFAULT_GROUP_SIZE in sizes or not sizes else sizes[0]
+        elif dim == "group_size" and (value == 0) != (ds.get("compression") == "none"):
+            formats = [c for c in self.values.get("compression", ()) if c != "none"]
+            changes["compression"] = "none" if value == 0 or not formats else formats[0]
+        return ds.with_(**changes)
+
     def mutate(self, ds: DirectiveSet, k: int, rng: random.Random) -> DirectiveSet:
         for dim in rng.sample(self.dims, min(k, len(self.dims))):
-            ds = ds.with_(**{dim: self._step(dim, ds.get(dim), rng)})
+            ds = self.with_value(ds, dim, self._step(dim, ds.get(dim), rng))
         return ds
 
     def crossover(self, a: DirectiveSet, b: DirectiveSet, rng: random.Random) -> DirectiveSet:
@@ -130,7 +147,7 @@ class OfflineProposer:
         if phase == "exploit":
             for dim in self.dims:
                 for value in self.values[dim]:
-                    child = parent.with_(**{dim: value})
+                    child = self.with_value(parent, dim, value)
                     if child != parent and self._admissible(child, memory, exclude):
                         pool[child.key] = (child, "neighbour")
         if not pool:  # explore, or every neighbour is tried: jump further
