@@ -104,6 +104,12 @@ def _items(numel: int) -> int:
     return -(-numel // 1024)
 
 
+def _apart_rows(t: torch.Tensor, rows: int) -> bool:
+    """t is a [rows, n] view whose rows are each contiguous but not back to back (a column slice of
+    a wider tensor: one piece of every rank's part in a pipelined collective)."""
+    return t.dim() == 2 and t.shape[0] == rows and t.stride(1) == 1 and not t.is_contiguous()
+
+
 def _aligned(ptr: int, stride_bytes: int) -> bool:
     return ptr % 16 == 0 and stride_bytes % 16 == 0
 
@@ -125,7 +131,7 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
         raise ValueError(f"skip must be a chunk index in 0..{segments - 1} or None, got {skip}")
     if max_blocks is not None and max_blocks < 1:
         raise ValueError(f"max_blocks must be at least 1 or None, got {max_blocks}")
-    rows = x.dim() == 2 and x.shape[0] == segments and x.stride(1) == 1 and not x.is_contiguous()
+    rows = _apart_rows(x, segments)
     if not rows:
         x = x.contiguous()
     chunk = x.numel() // segments
@@ -225,7 +231,7 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     if any(not isinstance(c, Compressed) for c in cs):
         raise ValueError("gather_into takes packed messages only")
     cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype)
-    rows = out.dim() == 2 and tuple(out.shape) == (len(cs), numel) and out.stride(1) == 1 and not out.is_contiguous()
+    rows = _apart_rows(out, len(cs))
     if not rows:
         _check_result(cs, out, len(cs) * numel, "gather_into")
     else:

@@ -60,7 +60,6 @@ ValueError / TypeError saying which.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -250,9 +249,6 @@ class CudaCodec:
         self._k.sum_compress_into(parts, dtype, cfg, buf)
 
 
-CODECS = {"cuda": CudaCodec, "triton": TritonCodec, "reference": ReferenceCodec}
-
-
 class DeviceCollectives:
     """The compressed collectives over a Transport and a Codec (see the module docstring)."""
 
@@ -279,16 +275,16 @@ class DeviceCollectives:
         return 1, numel
 
     def _pipeline(self, n: int, produce: Callable[[int], None], consume: Callable[[int], None],
-                  to_ranks: Sequence[int], from_ranks: Sequence[int], slot0: int = 0) -> None:
+                  to_ranks: Sequence[int], from_ranks: Sequence[int]) -> None:
         """Piece k: `produce(k)` beside the caller's stream, then published to `to_ranks`; on the
         caller's stream, wait for piece k of `from_ranks`, then `consume(k)`. Consuming piece k
         (NVLink reads) overlaps producing piece k + 1 (compression)."""
         with self.t.side():
             for k in range(n):
                 produce(k)
-                self.t.publish(slot0 + k, self.epoch, to_ranks)
+                self.t.publish(k, self.epoch, to_ranks)
         for k in range(n):
-            self.t.wait(slot0 + k, self.epoch, from_ranks)
+            self.t.wait(k, self.epoch, from_ranks)
             consume(k)
         self.t.join()
 
@@ -315,32 +311,43 @@ class DeviceCollectives:
         return [packed_view(self.t.peer(buf, p)[lo:hi], shape, dtype, cfg) for p in range(self.t.world_size)]
 
     # -- the collectives ------------------------------------------------------------------------
+    def _exchange(self, op: str, x: torch.Tensor, cfg: QuantConfig,
+                  consume: Callable[[list[Compressed], int, int], None]) -> Hashable:
+        """An all-gather's exchange: x compressed into this rank's buffer, then every rank's message
+        (rank order, read in place) handed to `consume(messages, lo, hi)` for elements [lo, hi) of
+        x. Unpipelined: one piece, a barrier between. Pipelined: piece k packed at k * stride,
+        published to every rank, consumed as it lands. Returns the buffer's key (the caller records
+        the read)."""
+        numel = x.numel()
+        n, piece = self.plan(numel)
+        stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
+        key, buf = self._buffer(op, tuple(x.shape), x.dtype, cfg, n * stride)
+        flat = x.reshape(-1)
+
+        def messages(k: int) -> list[Compressed]:
+            return self._messages(buf, k * stride, k * stride + wire, (piece,), x.dtype, cfg)
+
+        if n == 1:
+            self.codec.compress_into(flat, cfg, buf[:wire])
+            self._barrier()
+            consume(messages(0), 0, numel)
+        else:
+            everyone = range(self.t.world_size)
+            self.epoch += 1
+            self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
+                                                                 buf[k * stride:k * stride + wire]),
+                           lambda k: consume(messages(k), k * piece, (k + 1) * piece), everyone, everyone)
+        return key
+
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
         """Every rank's x concatenated along dim 0, each decompressed from its owner's buffer."""
         _check_input(x, self.t.device)
         world = self.t.world_size
-        shape = tuple(x.shape)
-        n, piece = self.plan(x.numel())
-        out = torch.empty((world, *shape), dtype=x.dtype, device=x.device)
-        if n == 1:
-            key, buf = self._buffer("all_gather", shape, x.dtype, cfg, cfg.wire_bytes(x.numel()))
-            self.codec.compress_into(x, cfg, buf)
-            self._barrier()
-            self.codec.gather_into(self._messages(buf, 0, buf.numel(), shape, x.dtype, cfg), out)
-        else:  # piece k of every rank's message: packed at k * stride of its buffer
-            stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
-            key, buf = self._buffer("all_gather", shape, x.dtype, cfg, n * stride)
-            flat, rows = x.reshape(-1), out.view(world, -1)
-            self.epoch += 1
-            everyone = range(world)
-            self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
-                                                                 buf[k * stride:k * stride + wire]),
-                           lambda k: self.codec.gather_into(self._messages(buf, k * stride, k * stride + wire, (piece,),
-                                                                           x.dtype, cfg),
-                                                            rows[:, k * piece:(k + 1) * piece]),
-                           everyone, everyone)
+        out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
+        rows = out.view(world, -1)
+        key = self._exchange("all_gather", x, cfg, lambda ms, lo, hi: self.codec.gather_into(ms, rows[:, lo:hi]))
         self._read_at[key] = self.barriers
-        return out.view(world * shape[0], *shape[1:])
+        return out.view(world * x.shape[0], *x.shape[1:])
 
     def _scatter(self, op: str, x: torch.Tensor, cfg: QuantConfig,
                  consume: Callable[[int, list[Compressed | torch.Tensor], int, int], None]) -> Hashable:
@@ -352,22 +359,20 @@ class DeviceCollectives:
         k packed at (k * W + q) * stride), published to every peer, consumed as it lands. Returns the
         buffer's key (the caller records the read)."""
         world, rank = self.t.world_size, self.t.rank
-        chunk_shape = (x.shape[0] // world, *x.shape[1:])
-        numel = math.prod(chunk_shape)
+        numel = x.numel() // world
         n, piece = self.plan(numel)
         stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
         key, buf = self._buffer(op, tuple(x.shape), x.dtype, cfg, n * world * stride)
         rows = x.reshape(world, numel)
-        shape = chunk_shape if n == 1 else (piece,)
 
         def parts(k: int) -> list[Compressed | torch.Tensor]:
             lo = (k * world + rank) * stride
-            found: list[Compressed | torch.Tensor] = list(self._messages(buf, lo, lo + wire, shape, x.dtype, cfg))
-            found[rank] = rows[rank, k * piece:(k + 1) * piece].view(shape)  # own chunk, exact (as the reference)
+            found: list[Compressed | torch.Tensor] = list(self._messages(buf, lo, lo + wire, (piece,), x.dtype, cfg))
+            found[rank] = rows[rank, k * piece:(k + 1) * piece]  # own chunk, exact (as the reference)
             return found
 
         if n == 1:
-            self.codec.compress_into(x, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
+            self.codec.compress_into(rows, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
             self._barrier()
             consume(0, parts(0), 0, numel)
         else:
@@ -400,39 +405,23 @@ class DeviceCollectives:
         world = self.t.world_size
         everyone = range(world)
         if algorithm == "one_shot":
-            shape = tuple(x.shape)
-            n, piece = self.plan(x.numel())
-            stride, wire = (cfg.packed_stride(piece), cfg.wire_bytes(piece)) if n > 1 else (0, cfg.wire_bytes(x.numel()))
-            key, buf = self._buffer("one_shot", shape, x.dtype, cfg, n * stride if n > 1 else wire)
             out = torch.empty_like(x)
-            if n == 1:
-                self.codec.compress_into(x, cfg, buf)
-                self._barrier()
-                self.codec.sum_into(self._messages(buf, 0, wire, shape, x.dtype, cfg), out)
-            else:
-                flat, out_flat = x.reshape(-1), out.view(-1)
-                self.epoch += 1
-                self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
-                                                                     buf[k * stride:k * stride + wire]),
-                               lambda k: self.codec.sum_into(self._messages(buf, k * stride, k * stride + wire, (piece,),
-                                                                            x.dtype, cfg),
-                                                             out_flat[k * piece:(k + 1) * piece]),
-                               everyone, everyone)
+            out_flat = out.view(-1)
+            key = self._exchange("one_shot", x, cfg, lambda ms, lo, hi: self.codec.sum_into(ms, out_flat[lo:hi]))
             self._read_at[key] = self.barriers
             return out
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
         padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel())).view(world, per_rank)
         n, piece = self.plan(per_rank)  # the same pieces in both phases
-        stride, wire = (cfg.packed_stride(piece), cfg.wire_bytes(piece)) if n > 1 else (0, cfg.wire_bytes(per_rank))
+        stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
         phase2: dict[str, Any] = {}
 
         def requantize(k: int, parts: list[Compressed | torch.Tensor], lo: int, hi: int) -> None:
             """The reduced piece, requantized in x's dtype into phase 2's buffer (then published).
             That buffer is taken at the first piece: after phase 1's (and its rewrite barrier)."""
             if not phase2:
-                phase2["key"], phase2["buf"] = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg,
-                                                            n * stride if n > 1 else wire)
+                phase2["key"], phase2["buf"] = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg, n * stride)
             self.codec.sum_compress_into(parts, x.dtype, cfg, phase2["buf"][k * stride:k * stride + wire])
             if n > 1:
                 self.t.publish(MAX_PIECES + k, self.epoch, everyone)
@@ -443,12 +432,11 @@ class DeviceCollectives:
         full = torch.empty((world, per_rank), dtype=x.dtype, device=x.device)
         if n == 1:
             self._barrier()
-            self.codec.gather_into(self._messages(buf2, 0, wire, (1, per_rank), x.dtype, cfg), full)
-        else:  # phase 2: an all-gather of the requantized pieces as they are published
-            for k in range(n):
+        for k in range(n):  # phase 2: an all-gather of the requantized pieces (pipelined: as they are published)
+            if n > 1:
                 self.t.wait(MAX_PIECES + k, self.epoch, everyone)
-                self.codec.gather_into(self._messages(buf2, k * stride, k * stride + wire, (piece,), x.dtype, cfg),
-                                       full[:, k * piece:(k + 1) * piece])
+            self.codec.gather_into(self._messages(buf2, k * stride, k * stride + wire, (piece,), x.dtype, cfg),
+                                   full[:, k * piece:(k + 1) * piece])
         self._read_at[key2] = self.barriers
         return full.reshape(-1)[: flat.numel()].view(x.shape)
 
@@ -589,7 +577,7 @@ class DeviceBackend:
         return self._state[1]
 
     def _make_codec(self) -> Codec:
-        return CudaCodec(self.compress_blocks) if self.codec == "cuda" else CODECS[self.codec]()
+        return CudaCodec(self.compress_blocks) if self.codec == "cuda" else TritonCodec()
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
         coll = self.collectives(x, group)

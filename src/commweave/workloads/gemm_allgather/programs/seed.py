@@ -42,6 +42,8 @@ import torch
 
 from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.launch import stream_wait_geq, stream_write
+from commweave.taco import cuda as taco_cuda
+from commweave.taco.quant import QuantConfig, packed_view
 
 # EVOLVE-BLOCK-START
 CONFIG = dict(
@@ -258,9 +260,6 @@ def setup(ctx, shape):
 def _taco_setup(ctx, shape, chunks):
     """Compression: the quantizer's config, this rank's symmetric wire buffer (one packed message
     per chunk, at a fixed stride) and every peer's, as mapped here."""
-    from commweave.taco import cuda as taco_cuda
-    from commweave.taco.quant import QuantConfig
-
     fmt = {"fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}.get(CONFIG["compression"])
     if fmt is None:
         raise ValueError(f"CONFIG['compression'] must be 'none', 'fp8_e4m3' or 'fp8_e5m2', not {CONFIG['compression']!r}")
@@ -271,7 +270,7 @@ def _taco_setup(ctx, shape, chunks):
     rows = shape["M"] // ctx.world_size
     stride = cfg.packed_stride(-(-rows // chunks) * shape["K"])  # the largest chunk's message, 16-byte aligned
     wire = ctx.symmetric((chunks * stride,), torch.uint8, zero=False)
-    return {"cfg": cfg, "cuda": taco_cuda, "wire": wire, "stride": stride,
+    return {"cfg": cfg, "wire": wire, "stride": stride,
             "peer_wire": {p: ctx.peer_tensor(wire, p) for p in range(ctx.world_size) if p != ctx.rank}}
 
 
@@ -347,20 +346,18 @@ def _compress_and_signal(ctx, state, a, comm):
             if r1 > r0:
                 lo = c * taco["stride"]
                 wire = taco["cfg"].wire_bytes((r1 - r0) * a.shape[1])
-                taco["cuda"].compress_into(a[r0:r1], taco["cfg"], taco["wire"][lo:lo + wire])
+                taco_cuda.compress_into(a[r0:r1], taco["cfg"], taco["wire"][lo:lo + wire])
             for j in range(1, world):
                 stream_write(state["peer_flags"][(rank + j) % world] + 8 * (rank * chunks + c), 1, comm)
 
 
 def _pull(state, src, c, r0, r1, part):
     """Compression: source `src`'s chunk c, read from its window and decompressed into a_full."""
-    from commweave.taco.quant import packed_view
-
     taco, k = state["taco"], state["a_full"].shape[1]
     lo = c * taco["stride"]
     message = packed_view(taco["peer_wire"][src][lo:lo + taco["cfg"].wire_bytes((r1 - r0) * k)], (r1 - r0, k),
                           torch.bfloat16, taco["cfg"])
-    taco["cuda"].gather_into([message], state["a_full"][part])
+    taco_cuda.gather_into([message], state["a_full"][part])
 
 
 def _gemms(ctx, state, inputs, out, main):
