@@ -2,6 +2,11 @@
 
     python bench/sweep.py gemm-allgather --gpus 4 --shapes 8192x8192x8192 \
         --grid comm_ctas=8,16,32 --grid order=staggered,broadcast
+    python bench/sweep.py attention-cp --gpus 2 --program seed_pull --shapes s32768-q32kv8-d128-full \
+        --grid chunks=1,2,4
+
+`--program` sweeps another of the workload's programs (default: its seed); the seed is then timed
+beside the variants as it is.
 
 Every variant is checked for correctness first (check shapes and the timed shapes); the survivors
 are timed in one job per shape beside the baselines. Results go to bench/results/.
@@ -50,16 +55,20 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", required=True)
     parser.add_argument("--grid", action="append", default=[], help="knob=v1,v2 (repeatable)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--program", default=None, help="the workload program whose CONFIG is swept (default: the seed)")
     args = parser.parse_args()
 
     wl = get_workload(args.workload)
     shapes = [wl.parse_shape(s, args.gpus) for s in args.shapes]
     grid = parse_grid(args.grid)
-    seed_text = wl.program_text(wl.seed)
+    swept = args.program or wl.seed
+    swept_text = wl.program_text(swept)
     variants = {
-        ",".join(f"{k}={v}" for k, v in zip(grid, combo)): with_config(seed_text, **dict(zip(grid, combo)))
+        ",".join(f"{k}={v}" for k, v in zip(grid, combo)): with_config(swept_text, **dict(zip(grid, combo)))
         for combo in itertools.product(*grid.values())
-    } or {"seed": seed_text}
+    } or {swept: swept_text}
+    if swept != wl.seed:
+        variants[wl.seed] = wl.program_text(wl.seed)
     console = Console()
     rows = []
     with WorkerPool(args.gpus, job_timeout_s=300) as pool:
@@ -85,7 +94,7 @@ def main() -> None:
                 table.add_row(name, med, p90, speed, "ok" if t.verdict.ok else f"{t.verdict.failure}: {t.verdict.message[:60]}")
             console.print(table)
     path = write_results(f"sweep-{wl.name}-{args.gpus}gpu", {
-        "workload": wl.name, "gpus": args.gpus, "grid": grid, "rates": asdict(rates),
+        "workload": wl.name, "gpus": args.gpus, "program": swept, "grid": grid, "rates": asdict(rates),
         "checks": {n: asdict(v) for n, v in checks.items()}, "benchmarks": rows,
     }, command=["python", "bench/sweep.py", *sys.argv[1:]])
     console.print(f"results: {path}")

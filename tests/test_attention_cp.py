@@ -518,10 +518,11 @@ def test_program_on_gpus(wl: AttentionCP, program: str, world: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("config", [dict(accumulate="float32"), dict(q_block=1024, chunks=1, slots=1)])
+@pytest.mark.parametrize("config", [dict(accumulate="float32"), dict(q_block=1024, chunks=4, slots=1)])
 def test_seed_pull_variants_on_gpus(wl: AttentionCP, world: int, config: dict) -> None:
     """The pull seed with a float32 accumulator (the default merges into the bf16 output), and with
-    1024 queries an attention call, one piece per source and a single slot."""
+    1024 queries an attention call, four pieces per segment and a single slot (every pull waits for
+    the previous piece's attention)."""
     check_on_gpus("attention-cp", "seed_pull", world, [*(s.label for s in wl.check_shapes(world)), "s16384-q32kv8-d128-causal"],
                   seed=6, config=config)
 

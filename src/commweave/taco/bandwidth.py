@@ -51,7 +51,7 @@ def variant(name: str) -> dict[str, Any]:
 
 
 def measure(ctx: Any, mibs: Sequence[float] = (16, 256), codecs: Sequence[str] = ("cuda",),
-            cfg_kwargs: dict | None = None, double_buffer: bool = False) -> list[dict]:
+            cfg_kwargs: dict | None = None, double_buffer: bool = True) -> list[dict]:
     """One row per (size, op): NCCL's time and each variant's (the device backend with that codec
     and pieces, see `variant`), their bandwidths and speedups. A pool job: every rank runs it; rank
     0's rows are the answer."""

@@ -33,7 +33,9 @@ from commweave.workloads.attention_cp.attention import attend_segments, piece_pl
 CONFIG = dict(
     comm_ctas=16,  # CTAs of each pull kernel
     threads=512,  # threads per pull CTA
-    chunks=4,  # pieces per segment (contiguous shard, or zigzag chunk)
+    chunks=1,  # pieces per segment (contiguous shard, or zigzag chunk); 1 measured fastest on 2 GPUs
+    #            (32k: 1 / 2 / 4 = 14.6 / 15.4 / 16.1 ms full, 7.3 / 8.0 / 8.4 ms causal) at 260 MiB
+    #            beside all-gather's 448 (sweep-attention-cp-2gpu-20261201T095857Z.json)
     slots=2,  # local piece buffers: pulls run up to slots - 1 pieces ahead of the attention
     comm_priority=-1,  # stream priority of the pulls
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
