@@ -65,7 +65,8 @@ def main() -> None:
     p.add_argument("--codecs", nargs="+", default=["cuda"], type=_variant,
                    help="variants: cuda, triton, <codec>-p<pieces> (pipelined, e.g. cuda-p4), "
                         "cuda-p<pieces>-b<blocks> (compression capped at that many blocks, e.g. cuda-p4-b132)")
-    p.add_argument("--double-buffer", action="store_true", help="alternate two buffers per op (one barrier a call)")
+    p.add_argument("--single-buffer", action="store_true",
+                   help="one buffer per op (two barriers a call back to back; default: two alternated, one barrier)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--plot", type=Path, help="only redraw the PNG of this results JSON")
     args = p.parse_args()
@@ -75,7 +76,7 @@ def main() -> None:
     apply_safe_env()
     with WorkerPool(args.gpus, device="cuda", job_timeout_s=900) as pool:
         result = pool.run("commweave.taco.bandwidth:measure", mibs=tuple(args.mibs), codecs=tuple(args.codecs),
-                          double_buffer=args.double_buffer)
+                          double_buffer=not args.single_buffer)
         if not result.ok:
             failure = result.first_failure()
             sys.exit(f"the measurement failed: {failure.traceback if failure else result.status}")
