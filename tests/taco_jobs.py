@@ -130,6 +130,7 @@ from collections import defaultdict  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from typing import Any, Callable, Hashable  # noqa: E402
 
+from commweave.taco.cuda import FusedBarrier  # noqa: E402
 from commweave.taco.device import DeviceCollectives, ReferenceCodec  # noqa: E402
 from commweave.taco.quant import Compressed  # noqa: E402
 
@@ -243,9 +244,12 @@ class FakeTransport:
         node = self.node
         with node._lock:
             node.allocations[self.rank].append((key, nbytes))
-            if (self.rank, key) not in node.buffers:  # garbage, not zeros: reading unwritten bytes shows
+            new = (self.rank, key) not in node.buffers
+            if new:  # garbage, not zeros: reading unwritten bytes shows
                 node.buffers[(self.rank, key)] = torch.full((nbytes,), 0x7F, dtype=torch.uint8)
             buf = node.buffers[(self.rank, key)]
+        if new:  # collective, as a symmetric allocation: every rank's buffer exists after it (not a
+            node._barrier.wait(timeout=60)  # barrier epoch: the hazard log does not count on it)
         self._keys[buf.data_ptr()] = key
         return buf
 
@@ -257,6 +261,10 @@ class FakeTransport:
         self.epoch += 1
         self.synced.clear()
         self.node._barrier.wait(timeout=60)
+
+    def fused_barrier(self, epoch: int) -> FusedBarrier:
+        """A token: the TracingCodec that receives it runs `barrier()` right before its reads."""
+        return FusedBarrier(signal=(), wait=(), epoch=epoch)
 
     @contextmanager
     def side(self):  # one thread per rank: the side stream's work runs in place, in order
@@ -283,40 +291,47 @@ class FakeTransport:
 
 
 class TracingCodec:
-    """A codec that logs its writes and reads of node buffers (for FakeNode.hazards)."""
+    """A codec that logs its writes and reads of node buffers (for FakeNode.hazards). With
+    `fuse_barriers`, its reading calls take the collectives' FusedBarrier token and run the
+    transport's barrier right before reading, as the CUDA kernels do at their start."""
 
-    def __init__(self, codec: Any, transport: FakeTransport):
-        self.codec, self.t = codec, transport
+    def __init__(self, codec: Any, transport: FakeTransport, fuse_barriers: bool = False):
+        self.codec, self.t, self.fuses_barriers = codec, transport, fuse_barriers
+
+    def _reads(self, parts: list[Compressed | torch.Tensor], barrier: FusedBarrier | None) -> None:
+        if barrier is not None:
+            assert self.fuses_barriers, "a fused barrier handed to a codec that does not fuse them"
+            self.t.barrier()
+        for c in parts:
+            if isinstance(c, Compressed):
+                self.t.node.log("read", self.t, c.payload)
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
                       skip: int | None = None) -> None:
         self.t.node.log("write", self.t, buf)
         self.codec.compress_into(x, cfg, buf, segments, skip)
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
-        for c in cs:
-            self.t.node.log("read", self.t, c.payload)
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+        self._reads(cs, barrier)
         self.codec.gather_into(cs, out)
 
-    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
-        for c in parts:
-            if isinstance(c, Compressed):
-                self.t.node.log("read", self.t, c.payload)
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
+                 barrier: FusedBarrier | None = None) -> None:
+        self._reads(parts, barrier)
         self.codec.sum_into(parts, out)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor) -> None:
-        for c in parts:
-            if isinstance(c, Compressed):
-                self.t.node.log("read", self.t, c.payload)
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+        self._reads(parts, barrier)
         self.t.node.log("write", self.t, buf)
         self.codec.sum_compress_into(parts, dtype, cfg, buf)
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
-             codec: Any = None, pieces: int = 1) -> tuple[list[Any], FakeNode]:
-    """Run body(collectives, rank) for W simulated ranks in threads; their results and the node.
-    An exception on one rank breaks the barrier (the others fail too) and is re-raised."""
+             codec: Any = None, pieces: int = 1, fuse_barriers: bool = False) -> tuple[list[Any], FakeNode]:
+    """Run body(collectives, rank) for W simulated ranks in threads; their results and the node
+    (`fuse_barriers`: the read barriers handed to the codec, see TracingCodec). An exception on one
+    rank breaks the barrier (the others fail too) and is re-raised."""
     node = FakeNode(world)
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
@@ -324,8 +339,8 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
     def rank_main(rank: int) -> None:
         t = FakeTransport(node, rank)
         try:
-            results[rank] = body(DeviceCollectives(t, TracingCodec(codec or ReferenceCodec(), t), double_buffer, pieces),
-                                 rank)
+            traced = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers)
+            results[rank] = body(DeviceCollectives(t, traced, double_buffer, pieces), rank)
         except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append(e)
             node._barrier.abort()
@@ -382,9 +397,9 @@ def edge_inputs() -> torch.Tensor:
 
 
 def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False, pieces: int = 1,
-                            min_piece: int | None = None) -> dict:
+                            min_piece: int | None = None, fuse_barriers: bool = False) -> dict:
     """On CUDA: the device backend (pipelined with `pieces` > 1, pieces of at least `min_piece`
-    elements) against the reference backend over NCCL (bit for bit), against the CPU simulation with
+    elements; read barriers performed by the reading kernels with `fuse_barriers`) against the reference backend over NCCL (bit for bit), against the CPU simulation with
     the reference codec (bit for bit), and, where every rank gets the whole result (all-gather,
     all-reduce), identical across ranks. Returns the pipelined calls made (`epochs`) too."""
     from commweave.taco import device
@@ -393,7 +408,7 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False,
     if min_piece is not None:
         device.MIN_PIECE = min_piece
     world, rank = ctx.world_size, ctx.rank
-    backend = DeviceBackend(ctx, double_buffer=double_buffer, pieces=pieces)
+    backend = DeviceBackend(ctx, double_buffer=double_buffer, pieces=pieces, fuse_barriers=fuse_barriers)
     sim, _ = simulate(world, lambda coll, r: [run_case(device_call(coll), c, world, r) for c in cases])
     out: dict[str, Any] = {"mismatches": [], "cases": len(cases)}
     for i, case in enumerate(cases):
@@ -420,6 +435,7 @@ class SerializedCodec:
     interpreter patches triton.language while it runs a kernel: not thread-safe)."""
 
     _lock = threading.Lock()
+    fuses_barriers = False
 
     def __init__(self, codec: Any):
         self.codec = codec

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ import taco_jobs
 from commweave.runtime import WorkerPool
 from commweave.taco import collectives as cc
 from commweave.taco import device
-from commweave.taco.quant import QuantConfig
+from commweave.taco.cuda import FusedBarrier
+from commweave.taco.quant import QuantConfig, compress
 
 TESTS = Path(__file__).parent
 
@@ -73,16 +75,19 @@ def _run_cases(coll: device.DeviceCollectives, rank: int, world: int) -> list[to
     return [taco_jobs.run_case(taco_jobs.device_call(coll), case, world, rank) for case in CASES]
 
 
+@pytest.mark.parametrize("fuse_barriers", [False, True], ids=["barrier", "fused"])
 @pytest.mark.parametrize("pieces", [1, 4], ids=["whole", "pipelined"])
 @pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
-def test_device_algorithms_equal_the_reference_backend_bit_for_bit(reference, double_buffer, pieces, monkeypatch):
+def test_device_algorithms_equal_the_reference_backend_bit_for_bit(reference, double_buffer, pieces, fuse_barriers,
+                                                                     monkeypatch):
     """Every case, call after call, equals the reference backend bit for bit; pipelined (pieces
     compressed beside the reads, published by flags) on the sizes that split, as a whole otherwise;
-    no rank reads a peer's buffer without a barrier or a flag since its owner wrote it."""
+    read barriers queued or handed to the reading calls (fused); no rank reads a peer's buffer
+    without a barrier or a flag since its owner wrote it."""
     monkeypatch.setattr(device, "MIN_PIECE", 1024)
     world, expected = reference
     got, node = taco_jobs.simulate(world, lambda coll, r: (_run_cases(coll, r, world), coll.epoch), double_buffer,
-                                   pieces=pieces)
+                                   pieces=pieces, fuse_barriers=fuse_barriers)
     for rank in range(world):
         results, epochs = got[rank]
         assert epochs == (PIPELINED if pieces > 1 else 0)
@@ -110,7 +115,7 @@ def test_all_reduce_is_identical_on_every_rank_and_close_to_the_exact_sum():
         assert float((got[0][i] - exact).norm() / exact.norm()) < 0.05
 
 
-def _barriers(double: bool, op: str, calls: int, pieces: int = 1) -> tuple[int, int]:
+def _barriers(double: bool, op: str, calls: int, pieces: int = 1, fuse: bool = False) -> tuple[int, int]:
     """(barriers, pipelined calls) after `calls` back-to-back all-gathers or two-shots on 2 ranks,
     checked hazard-free."""
     x = torch.randn(4, 1024)
@@ -123,16 +128,54 @@ def _barriers(double: bool, op: str, calls: int, pieces: int = 1) -> tuple[int, 
                 coll.all_gather(x, QuantConfig())
         return coll.barriers, coll.epoch
 
-    got, node = taco_jobs.simulate(2, body, double, pieces=pieces)
+    got, node = taco_jobs.simulate(2, body, double, pieces=pieces, fuse_barriers=fuse)
     assert node.hazards() == []
     return got[0]
 
 
-def test_barriers_per_call_single_vs_double_buffered():
+@pytest.mark.parametrize("fuse", [False, True], ids=["barrier", "fused"])
+def test_barriers_per_call_single_vs_double_buffered(fuse):
     """Single buffer: back-to-back single-phase calls need a barrier before rewriting (two per call,
-    the first call excepted); double buffer: one. Two-shot: its own two, either way."""
-    assert _barriers(False, "all_gather", 3) == (5, 0) and _barriers(True, "all_gather", 3) == (3, 0)
-    assert _barriers(False, "two_shot", 3) == (6, 0) and _barriers(True, "two_shot", 3) == (6, 0)
+    the first call excepted); double buffer: one. Two-shot: its own two, either way. A read barrier
+    fused into the reading call counts as one (it covers the earlier reads alike)."""
+    assert _barriers(False, "all_gather", 3, fuse=fuse) == (5, 0) and _barriers(True, "all_gather", 3, fuse=fuse) == (3, 0)
+    assert _barriers(False, "two_shot", 3, fuse=fuse) == (6, 0) and _barriers(True, "two_shot", 3, fuse=fuse) == (6, 0)
+
+
+def test_a_fused_barrier_the_reading_call_skips_is_caught_by_the_hazard_log():
+    """The checker is not vacuous for fused barriers: a codec that takes the token but reads without
+    the barrier is reported, for each kind of reading call."""
+
+    class Skips(taco_jobs.TracingCodec):
+        def _reads(self, parts, barrier):
+            super()._reads(parts, None)
+
+    x = torch.randn(4, 1024)
+    for op in ("all_gather", "reduce_scatter", "two_shot"):
+        node = taco_jobs.FakeNode(2)
+
+        def run(rank: int) -> None:
+            t = taco_jobs.FakeTransport(node, rank)
+            coll = device.DeviceCollectives(t, Skips(device.ReferenceCodec(), t, fuse_barriers=True))
+            {"all_gather": lambda: coll.all_gather(x, QuantConfig()),
+             "reduce_scatter": lambda: coll.reduce_scatter(x, QuantConfig()),
+             "two_shot": lambda: coll.all_reduce(x, QuantConfig(), "two_shot")}[op]()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert any("before any write" in h or "with no flag waited on" in h for h in node.hazards()), op
+
+
+def test_codecs_without_fused_barriers_refuse_the_token():
+    token = FusedBarrier(signal=(), wait=(), epoch=1)
+    c = compress(torch.randn(1024), QuantConfig())
+    with pytest.raises(ValueError, match="does not fuse barriers"):
+        device.ReferenceCodec().gather_into([c], torch.empty(1, 1024), token)
+    with pytest.raises(ValueError, match="at most 8 ranks with an epoch >= 1"):
+        FusedBarrier(signal=(), wait=(), epoch=0)
 
 
 def test_barriers_per_call_pipelined(monkeypatch):
@@ -267,10 +310,11 @@ def _ok(result):
 @pytest.mark.parametrize("world", [2, 4])
 def test_device_backend_on_gpus_equals_the_reference_over_nccl(world):
     with _gpu_pool(world) as pool:
-        for double_buffer, pieces in ((False, 1), (True, 1), (False, 4), (True, 4)):
+        for double_buffer, pieces, fuse in ((False, 1, False), (True, 1, False), (False, 4, False), (True, 4, False),
+                                            (False, 1, True), (True, 1, True), (True, 4, True)):
             for value in _ok(pool.run("taco_jobs:device_vs_reference_gpu", cases=CASES, double_buffer=double_buffer,
-                                      pieces=pieces, min_piece=1024)):
-                assert value["mismatches"] == [], value["mismatches"]
+                                      pieces=pieces, min_piece=1024, fuse_barriers=fuse)):
+                assert value["mismatches"] == [], (double_buffer, pieces, fuse, value["mismatches"])
                 assert value["epochs"] == (PIPELINED if pieces > 1 else 0)
 
 
@@ -280,9 +324,9 @@ def test_pipelined_path_on_one_gpu():
     kernels on strided views) equal the reference bit for bit, call after call."""
     cases = [c for c in CASES if c[0] in ("all_gather", "one_shot")]
     with _gpu_pool(1) as pool:
-        for double_buffer in (False, True):
+        for double_buffer, fuse in ((False, False), (True, False), (True, True)):
             value = _ok(pool.run("taco_jobs:device_vs_reference_gpu", cases=cases, double_buffer=double_buffer,
-                                 pieces=4, min_piece=1024))[0]
+                                 pieces=4, min_piece=1024, fuse_barriers=fuse))[0]
             assert value["mismatches"] == [], value["mismatches"]
             assert value["epochs"] == sum(1 for c in cases if c in CASES[-PIPELINED:])
 

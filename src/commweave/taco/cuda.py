@@ -21,6 +21,7 @@ import functools
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,33 @@ THREADS = 256
 # at 3, gather is as fast at 2, 3 or 4)
 MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 4, "sum": 2}
 _GRID_BLOCKS_PER_SM = 8  # grid size cap; warps loop over the remaining work
+
+
+@dataclass(frozen=True)
+class FusedBarrier:
+    """A barrier across ranks that the next reading kernel (gather / sum / sum-compress) performs at
+    its start, instead of a barrier kernel queued before it (the .cu's `Barrier`): it writes `epoch`
+    to each address in `signal` (this rank's flag word in every rank's memory), then waits until each
+    address in `wait` (every source's flag word here) holds `epoch` or more. Epochs only grow."""
+
+    signal: tuple[int, ...]
+    wait: tuple[int, ...]
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if len(self.signal) > MAX_SOURCES or len(self.wait) > MAX_SOURCES or self.epoch < 1:
+            raise ValueError(f"a fused barrier signals and waits on at most {MAX_SOURCES} ranks with an epoch >= 1, "
+                             f"got {len(self.signal)} / {len(self.wait)} and epoch {self.epoch}")
+
+
+def _barrier_arg(barrier: FusedBarrier | None) -> ctypes.Array:
+    """The kernels' `Barrier` parameter: 8 signal addresses, 8 wait addresses, the epoch (0: none)."""
+    words = (ctypes.c_uint64 * (2 * MAX_SOURCES + 1))()
+    if barrier is not None:
+        words[:len(barrier.signal)] = barrier.signal
+        words[MAX_SOURCES:MAX_SOURCES + len(barrier.wait)] = barrier.wait
+        words[2 * MAX_SOURCES] = barrier.epoch
+    return words
 
 
 def _min_blocks(kernel: str, cfg: QuantConfig) -> int:
@@ -224,10 +252,11 @@ def _check_result(parts: Sequence[Compressed | torch.Tensor], result: torch.Tens
                          f"messages on {sorted(map(str, devices))}")
 
 
-def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
+def gather_into(cs: Sequence[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> torch.Tensor:
     """out[p] = decompress(cs[p]) for every message (out: len(cs) * numel elements, any shape; or a
     [len(cs), numel] view whose rows are contiguous but apart, e.g. one piece of every rank's part
-    of an all-gather), in one launch whose warps interleave the messages (every peer's link busy)."""
+    of an all-gather), in one launch whose warps interleave the messages (every peer's link busy),
+    after `barrier` when given (the kernel performs it even when there is nothing to read)."""
     if any(not isinstance(c, Compressed) for c in cs):
         raise ValueError("gather_into takes packed messages only")
     cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype)
@@ -237,31 +266,33 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor) -> torch.Tensor:
     else:
         _check_result(cs, out[0], numel, "gather_into")
     out_stride = out.stride(0) if rows else numel
-    if numel:
+    if numel or barrier is not None:
         vec = _aligned(out.data_ptr(), out_stride * out.element_size())
         _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
-                [ptrs, len(cs), numel, out, out_stride, int(vec)])
+                [ptrs, len(cs), numel, out, out_stride, int(vec), _barrier_arg(barrier)])
     return out
 
 
-def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor,
+             barrier: FusedBarrier | None = None) -> torch.Tensor:
     """out = (sum over the parts of their FP32 decompressions, in order) cast to out's dtype: the
-    reference's `decompress(parts[0]) + decompress(parts[1]) + ...` then `.to(dtype)`, in one launch.
-    One part may be a raw tensor of out's dtype (a reduce-scatter's own chunk), added exactly."""
+    reference's `decompress(parts[0]) + decompress(parts[1]) + ...` then `.to(dtype)`, in one launch
+    (after `barrier` when given). One part may be a raw tensor of out's dtype (a reduce-scatter's own
+    chunk), added exactly."""
     cfg, numel, ptrs, own = _sources(parts, "sum_into", out.dtype)
     _check_result(parts, out, numel, "sum_into")
-    if numel:
+    if numel or barrier is not None:
         vec = _aligned(out.data_ptr(), 0) and (own < 0 or _aligned(parts[own].data_ptr(), 0))
         _launch(out.device, specialization(cfg, out.dtype, len(parts)), "taco_sum", _items(numel),
-                [ptrs, numel, out, int(vec), own])
+                [ptrs, numel, out, int(vec), own, _barrier_arg(barrier)])
     return out
 
 
 def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                      buf: torch.Tensor) -> torch.Tensor:
-    """buf = pack(compress(sum_into(parts) in `dtype`, cfg)) in one launch: two-shot all-reduce's
-    requantization of its reduced chunk, with no round trip of that chunk through memory. `cfg`
-    must be the messages' own (the kernel is specialised for one config)."""
+                      buf: torch.Tensor, barrier: FusedBarrier | None = None) -> torch.Tensor:
+    """buf = pack(compress(sum_into(parts) in `dtype`, cfg)) in one launch (after `barrier` when
+    given): two-shot all-reduce's requantization of its reduced chunk, with no round trip of that
+    chunk through memory. `cfg` must be the messages' own (the kernel is specialised for one config)."""
     first = next((p for p in parts if isinstance(p, Compressed)), None)
     if first is not None and first.config != cfg:
         raise ValueError(f"sum_compress_into requantizes with the messages' config {first.config}, got {cfg}")
@@ -271,10 +302,10 @@ def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.d
     _check_result(parts, buf, cfg.wire_bytes(numel), "sum_compress_into")
     if buf.data_ptr() % 16:
         raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
-    if numel:
+    if numel or barrier is not None:
         vec = own < 0 or _aligned(parts[own].data_ptr(), 0)
         _launch(buf.device, specialization(cfg, dtype, len(parts)), "taco_sum_compress", _items(numel),
-                [ptrs, numel, buf, int(vec), own])
+                [ptrs, numel, buf, int(vec), own, _barrier_arg(barrier)])
     return buf
 
 

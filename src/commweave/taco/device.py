@@ -38,6 +38,15 @@ memory. `DeviceBackend` double-buffers by default: on 2 H200s the second barrier
 taco-bandwidth-2gpu-20261201T094714Z / T095910Z), and two compressed buffers together are about
 one BF16 message. The rule is the same for both; the CPU tests check it with a hazard tracker.
 
+Fused barriers (`DeviceBackend(fuse_barriers=True)`, CUDA codec; off until measured on several
+GPUs): the barrier between a call's writes and its reads is performed by the reading kernel itself
+(`cuda.FusedBarrier`: every block first writes the barrier's number into this rank's flag word in
+each peer's memory, then waits for each peer's word here), instead of a barrier kernel queued before
+it: on 2 H200s that kernel took ~3.5 µs plus a ~1 µs launch gap of a 16 MiB all-gather's ~34 µs
+(bench/profile_taco.py's timeline). Every rank signals after its earlier reads and waits for every
+rank, so it counts as a barrier for the rewrite rule. Not under CUDA graph capture (the number is a
+host value a replay would repeat): a barrier kernel then.
+
 Pipelining (`pieces` > 1; default 1 until measured on several GPUs): a message is cut into up to
 `pieces` equal pieces (whole 1024-element work items, at least MIN_PIECE elements each; sizes that
 do not split so run unpipelined), each its own packed message. Compression runs on a side stream
@@ -70,13 +79,15 @@ import torch
 import torch.distributed as dist
 
 from commweave.taco.collectives import AllReduceAlgo, register_backend
+from commweave.taco.cuda import FusedBarrier
 from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack, packed_view
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_PIECES = 8  # per message; two-shot uses two sets of slots
 PIECE_ALIGN = 1024  # elements: a CUDA work item, a multiple of every group size
 MIN_PIECE = 1 << 20  # elements: below this a piece's launches cost more than the overlap saves
-FLAG_SLOTS = 2 * MAX_PIECES  # per source rank
+FLAG_SLOTS = 2 * MAX_PIECES  # per source rank: pipelined pieces
+BARRIER_SLOT = FLAG_SLOTS  # per source rank: the fused barriers' flag word
 
 
 class Transport(Protocol):
@@ -96,6 +107,11 @@ class Transport(Protocol):
 
     def barrier(self) -> None:
         """All ranks: writes issued before it are visible to reads issued after it, everywhere."""
+        ...
+
+    def fused_barrier(self, epoch: int) -> FusedBarrier | None:
+        """The same barrier for the next reading kernel to perform itself (`epoch`: this barrier's
+        number, identical on every rank and growing), or None where it cannot (then `barrier()`)."""
         ...
 
     # pipelined calls (pieces > 1): per-piece flags instead of a barrier between writes and reads
@@ -119,6 +135,8 @@ class Transport(Protocol):
 
 
 class Codec(Protocol):
+    fuses_barriers: bool  # its reading calls take a FusedBarrier (else the collectives queue barrier())
+
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
                       skip: int | None = None) -> None:
         """x split into `segments` equal chunks along dim 0, chunk q packed at q * packed_stride(chunk)
@@ -126,25 +144,34 @@ class Codec(Protocol):
         x may be a [segments, chunk] view with contiguous rows apart (a pipelined piece)."""
         ...
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
         """out[p] = decompress(cs[p]) (out: (len(cs), *shape), contiguous; or [len(cs), numel] with
-        contiguous rows apart: a pipelined piece of every rank's part)."""
+        contiguous rows apart: a pipelined piece of every rank's part). `barrier` (only if
+        `fuses_barriers`): performed first, by the same launch."""
         ...
 
-    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
+                 barrier: FusedBarrier | None = None) -> None:
         """out = (FP32 term 0 + term 1 + ...) cast to out's dtype; a term is decompress(part), or the
         part itself (exact) where it is a tensor (a rank's own chunk). One tensor part at most."""
         ...
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor) -> None:
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
         """buf = pack(compress(the sum_into result in `dtype`, cfg)): two-shot's requantization."""
         ...
+
+
+def _unfused(barrier: FusedBarrier | None) -> None:
+    if barrier is not None:
+        raise ValueError("this codec does not fuse barriers (fuses_barriers is False): queue the transport's barrier()")
 
 
 class PerMessageCodec:
     """A codec from single-message compress/decompress/accumulate: the collectives' steps one
     launch per message, summed through an FP32 accumulator in memory."""
+
+    fuses_barriers = False
 
     def compress_one(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
         raise NotImplementedError
@@ -164,11 +191,14 @@ class PerMessageCodec:
             if q != skip:
                 self.compress_one(chunk, cfg, buf[q * stride:q * stride + wire])
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+        _unfused(barrier)
         for p, c in enumerate(cs):
             self.decompress_one(c, out[p])
 
-    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
+                 barrier: FusedBarrier | None = None) -> None:
+        _unfused(barrier)
         acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         for i, part in enumerate(parts):
             if isinstance(part, torch.Tensor):  # own chunk, exact
@@ -183,7 +213,8 @@ class PerMessageCodec:
         out.copy_(acc)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor) -> None:
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+        _unfused(barrier)
         first = next(p for p in parts if isinstance(p, Compressed))
         reduced = torch.empty(first.shape, dtype=dtype, device=buf.device)
         self.sum_into(parts, reduced)
@@ -223,31 +254,34 @@ class TritonCodec(PerMessageCodec):
 
 class CudaCodec:
     """The CUDA kernels (`taco/cuda.py`, bit for bit the reference): one launch compresses every
-    chunk, one reads every rank's message (gathering, or summing in FP32 and casting once).
+    chunk, one reads every rank's message (gathering, or summing in FP32 and casting once), with
+    `fuse_barriers` performing the barrier before it itself (else the collectives queue one).
     `compress_blocks`: the most thread blocks a compression takes (None: as many as it fills), so a
     pipelined collective's compression leaves SMs to the reads beside it."""
 
-    def __init__(self, compress_blocks: int | None = None) -> None:
+    def __init__(self, compress_blocks: int | None = None, fuse_barriers: bool = False) -> None:
         from commweave.taco import cuda
 
         if compress_blocks is not None and compress_blocks < 1:
             raise ValueError(f"compress_blocks must be at least 1 or None, got {compress_blocks}")
         self._k = cuda
         self.compress_blocks = compress_blocks
+        self.fuses_barriers = fuse_barriers
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
                       skip: int | None = None) -> None:
         self._k.compress_into(x, cfg, buf, segments, skip, self.compress_blocks)
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
-        self._k.gather_into(cs, out)
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+        self._k.gather_into(cs, out, barrier)
 
-    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
-        self._k.sum_into(parts, out)
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
+                 barrier: FusedBarrier | None = None) -> None:
+        self._k.sum_into(parts, out, barrier)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor) -> None:
-        self._k.sum_compress_into(parts, dtype, cfg, buf)
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+        self._k.sum_compress_into(parts, dtype, cfg, buf, barrier)
 
 
 class DeviceCollectives:
@@ -294,6 +328,17 @@ class DeviceCollectives:
         self.t.barrier()
         self.barriers += 1
 
+    def _read_barrier(self) -> FusedBarrier | None:
+        """The barrier between this call's writes and its reads: handed to the reading launch where
+        the codec and the transport can fuse it (returned), else queued now (None). Either kind
+        counts for the rewrite rule: every rank signals it after its earlier reads, and waits for
+        every rank's signal before reading (or writing again)."""
+        self.barriers += 1
+        fused = self.t.fused_barrier(self.barriers) if self.codec.fuses_barriers else None
+        if fused is None:
+            self.t.barrier()
+        return fused
+
     def _buffer(self, op: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig,
                 nbytes: int) -> tuple[Hashable, torch.Tensor]:
         """This call's buffer, and a barrier first if peers may still read its last contents."""
@@ -313,12 +358,12 @@ class DeviceCollectives:
 
     # -- the collectives ------------------------------------------------------------------------
     def _exchange(self, op: str, x: torch.Tensor, cfg: QuantConfig,
-                  consume: Callable[[list[Compressed], int, int], None]) -> Hashable:
+                  consume: Callable[[list[Compressed], int, int, FusedBarrier | None], None]) -> Hashable:
         """An all-gather's exchange: x compressed into this rank's buffer, then every rank's message
-        (rank order, read in place) handed to `consume(messages, lo, hi)` for elements [lo, hi) of
-        x. Unpipelined: one piece, a barrier between. Pipelined: piece k packed at k * stride,
-        published to every rank, consumed as it lands. Returns the buffer's key (the caller records
-        the read)."""
+        (rank order, read in place) handed to `consume(messages, lo, hi, barrier)` for elements
+        [lo, hi) of x. Unpipelined: one piece, a barrier between (`barrier`: for the reading launch to
+        perform, or None if queued already). Pipelined: piece k packed at k * stride, published to
+        every rank, consumed as it lands. Returns the buffer's key (the caller records the read)."""
         numel = x.numel()
         n, piece = self.plan(numel)
         stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
@@ -330,14 +375,14 @@ class DeviceCollectives:
 
         if n == 1:
             self.codec.compress_into(flat, cfg, buf[:wire])
-            self._barrier()
-            consume(messages(0), 0, numel)
+            barrier = self._read_barrier()  # before the peers' views (a fake transport makes them lazily)
+            consume(messages(0), 0, numel, barrier)
         else:
             everyone = range(self.t.world_size)
             self.epoch += 1
             self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
                                                                  buf[k * stride:k * stride + wire]),
-                           lambda k: consume(messages(k), k * piece, (k + 1) * piece), everyone, everyone)
+                           lambda k: consume(messages(k), k * piece, (k + 1) * piece, None), everyone, everyone)
         return key
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
@@ -346,17 +391,17 @@ class DeviceCollectives:
         world = self.t.world_size
         out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
         rows = out.view(world, -1)
-        key = self._exchange("all_gather", x, cfg, lambda ms, lo, hi: self.codec.gather_into(ms, rows[:, lo:hi]))
+        key = self._exchange("all_gather", x, cfg, lambda ms, lo, hi, bar: self.codec.gather_into(ms, rows[:, lo:hi], bar))
         self._read_at[key] = self.barriers
         return out.view(world * x.shape[0], *x.shape[1:])
 
     def _scatter(self, op: str, x: torch.Tensor, cfg: QuantConfig,
-                 consume: Callable[[int, list[Compressed | torch.Tensor], int, int], None]) -> Hashable:
+                 consume: Callable[[int, list[Compressed | torch.Tensor], int, int, FusedBarrier | None], None]) -> Hashable:
         """A reduce-scatter's exchange: chunk q != rank of x (split along dim 0) compressed into
         segment q of this rank's buffer, then this rank's parts of the sum in rank order (segment
         `rank` of every other rank's buffer, and its own chunk exactly) handed to
-        `consume(k, parts, lo, hi)` for elements [lo, hi) of the chunk. Unpipelined: one piece, a
-        barrier between. Pipelined: piece k of every segment compressed at once (segments of piece
+        `consume(k, parts, lo, hi, barrier)` for elements [lo, hi) of the chunk. Unpipelined: one
+        piece, a barrier between (as in `_exchange`). Pipelined: piece k of every segment compressed at once (segments of piece
         k packed at (k * W + q) * stride), published to every peer, consumed as it lands. Returns the
         buffer's key (the caller records the read)."""
         world, rank = self.t.world_size, self.t.rank
@@ -374,15 +419,15 @@ class DeviceCollectives:
 
         if n == 1:
             self.codec.compress_into(rows, cfg, buf, segments=world, skip=rank)  # own chunk: never sent
-            self._barrier()
-            consume(0, parts(0), 0, numel)
+            barrier = self._read_barrier()
+            consume(0, parts(0), 0, numel, barrier)
         else:
             peers = [p for p in range(world) if p != rank]
             self.epoch += 1
             self._pipeline(n, lambda k: self.codec.compress_into(rows[:, k * piece:(k + 1) * piece], cfg,
                                                                  buf[k * world * stride:(k + 1) * world * stride],
                                                                  segments=world, skip=rank),
-                           lambda k: consume(k, parts(k), k * piece, (k + 1) * piece), peers, peers)
+                           lambda k: consume(k, parts(k), k * piece, (k + 1) * piece, None), peers, peers)
         return key
 
     def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
@@ -391,7 +436,8 @@ class DeviceCollectives:
         _check_dim0(x, self.t.world_size)
         out = torch.empty((x.shape[0] // self.t.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         flat = out.view(-1)
-        key = self._scatter("reduce_scatter", x, cfg, lambda k, parts, lo, hi: self.codec.sum_into(parts, flat[lo:hi]))
+        key = self._scatter("reduce_scatter", x, cfg,
+                            lambda k, parts, lo, hi, bar: self.codec.sum_into(parts, flat[lo:hi], bar))
         self._read_at[key] = self.barriers
         return out
 
@@ -408,7 +454,7 @@ class DeviceCollectives:
         if algorithm == "one_shot":
             out = torch.empty_like(x)
             out_flat = out.view(-1)
-            key = self._exchange("one_shot", x, cfg, lambda ms, lo, hi: self.codec.sum_into(ms, out_flat[lo:hi]))
+            key = self._exchange("one_shot", x, cfg, lambda ms, lo, hi, bar: self.codec.sum_into(ms, out_flat[lo:hi], bar))
             self._read_at[key] = self.barriers
             return out
         flat = x.reshape(-1)
@@ -418,12 +464,13 @@ class DeviceCollectives:
         stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
         phase2: dict[str, Any] = {}
 
-        def requantize(k: int, parts: list[Compressed | torch.Tensor], lo: int, hi: int) -> None:
+        def requantize(k: int, parts: list[Compressed | torch.Tensor], lo: int, hi: int,
+                       barrier: FusedBarrier | None) -> None:
             """The reduced piece, requantized in x's dtype into phase 2's buffer (then published).
             That buffer is taken at the first piece: after phase 1's (and its rewrite barrier)."""
             if not phase2:
                 phase2["key"], phase2["buf"] = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg, n * stride)
-            self.codec.sum_compress_into(parts, x.dtype, cfg, phase2["buf"][k * stride:k * stride + wire])
+            self.codec.sum_compress_into(parts, x.dtype, cfg, phase2["buf"][k * stride:k * stride + wire], barrier)
             if n > 1:
                 self.t.publish(MAX_PIECES + k, self.epoch, everyone)
 
@@ -431,13 +478,12 @@ class DeviceCollectives:
         self._read_at[key1] = self.barriers
         key2, buf2 = phase2["key"], phase2["buf"]
         full = torch.empty((world, per_rank), dtype=x.dtype, device=x.device)
-        if n == 1:
-            self._barrier()
+        barrier = self._read_barrier() if n == 1 else None
         for k in range(n):  # phase 2: an all-gather of the requantized pieces (pipelined: as they are published)
             if n > 1:
                 self.t.wait(MAX_PIECES + k, self.epoch, everyone)
             self.codec.gather_into(self._messages(buf2, k * stride, k * stride + wire, (piece,), x.dtype, cfg),
-                                   full[:, k * piece:(k + 1) * piece])
+                                   full[:, k * piece:(k + 1) * piece], barrier)
         self._read_at[key2] = self.barriers
         return full.reshape(-1)[: flat.numel()].view(x.shape)
 
@@ -461,6 +507,11 @@ def _check_dim0(x: torch.Tensor, world: int) -> None:
         raise ValueError(f"reduce_scatter: dim 0 of shape {tuple(x.shape)} must be divisible by the world size {world}")
 
 
+def _flag_word(table: int, source: int, slot: int) -> int:
+    """The address of flag [source][slot] in a flag table at address `table` (any rank's copy)."""
+    return table + 8 * (source * (FLAG_SLOTS + 1) + slot)
+
+
 class WindowTransport:
     """A RankContext's symmetric windows: buffers from `ctx.symmetric`, peers' via `ctx.peer_tensor`
     (NVLink loads by the kernels), barrier `ctx.device_barrier()` (LSA, acq_rel) on the current stream."""
@@ -471,7 +522,7 @@ class WindowTransport:
         self._buffers: dict[Hashable, torch.Tensor] = {}
         self._peers: dict[tuple[int, int, int], torch.Tensor] = {}
         self._stream: torch.cuda.Stream | None = None
-        self._flags: torch.Tensor | None = None  # [W, SLOTS] int64: [source][slot] = its last epoch
+        self._flags: torch.Tensor | None = None  # [W, FLAG_SLOTS + 1] int64: [source][slot] = its last epoch
         self._flag_peers: list[int] = []  # each rank's flags' address, as mapped here
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
@@ -494,12 +545,23 @@ class WindowTransport:
     def barrier(self) -> None:
         self.ctx.device_barrier()
 
+    def fused_barrier(self, epoch: int) -> FusedBarrier | None:
+        """Flag words [source][BARRIER_SLOT] of the flag table: signal every peer, wait for every
+        peer. None while the stream is captured into a CUDA graph (the epoch is a host value that a
+        replay would repeat): then a barrier kernel, as before."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        flags, peers = self._flag_table()
+        others = [p for p in range(self.world_size) if p != self.rank]
+        return FusedBarrier(signal=tuple(_flag_word(peers[d], self.rank, BARRIER_SLOT) for d in others),
+                            wait=tuple(_flag_word(flags.data_ptr(), s, BARRIER_SLOT) for s in others), epoch=epoch)
+
     # pipelined calls: flags written by stream memory operations (cuStreamWriteValue64 into the
     # peer's mapped window after the compression, cuStreamWaitValue64 on the local word): no kernel
     # and no SM spent waiting, and the write's default memory barrier orders the payload before it
     def _flag_table(self) -> tuple[torch.Tensor, list[int]]:
         if self._flags is None:  # collective, at the first pipelined call (same order on every rank)
-            self._flags = self.ctx.symmetric((self.world_size, FLAG_SLOTS), torch.int64)
+            self._flags = self.ctx.symmetric((self.world_size, FLAG_SLOTS + 1), torch.int64)
             self._flag_peers = [self.peer(self._flags, p).data_ptr() for p in range(self.world_size)]
         return self._flags, self._flag_peers
 
@@ -519,14 +581,14 @@ class WindowTransport:
 
         _, peers = self._flag_table()
         for d in ranks:
-            stream_write(peers[d] + 8 * (self.rank * FLAG_SLOTS + slot), epoch)
+            stream_write(_flag_word(peers[d], self.rank, slot), epoch)
 
     def wait(self, slot: int, epoch: int, ranks: Sequence[int]) -> None:
         from commweave.runtime.launch import stream_wait_geq
 
         flags, _ = self._flag_table()
         for s in ranks:
-            stream_wait_geq(flags.data_ptr() + 8 * (s * FLAG_SLOTS + slot), epoch)
+            stream_wait_geq(_flag_word(flags.data_ptr(), s, slot), epoch)
 
 
 class DeviceBackend:
@@ -537,10 +599,14 @@ class DeviceBackend:
     since the windows must belong to one communicator over the same ranks as the group. Only the
     default group (group=None or WORLD) is supported. One `DeviceCollectives` (its buffers) per
     context; a new context (after `commweave.ops.close()`) starts a new one. `codec`: "cuda" (the
-    default: fused multi-rank kernels) or "triton" (one launch per message; for comparison)."""
+    default: fused multi-rank kernels) or "triton" (one launch per message; for comparison).
+    `fuse_barriers` (CUDA codec only; off until measured on several GPUs): the reading kernels
+    perform the barrier between a call's writes and its reads themselves, instead of a barrier
+    kernel queued before them (which costs a launch gap and ~3.5 µs on 2 H200s).
+    `double_buffer`, `pieces`: see the module's docstring."""
 
     def __init__(self, ctx: Any = None, double_buffer: bool = True, codec: str = "cuda", pieces: int = 1,
-                 compress_blocks: int | None = None):
+                 compress_blocks: int | None = None, fuse_barriers: bool = False):
         if codec not in ("cuda", "triton"):
             raise ValueError(f"codec must be 'cuda' or 'triton' on GPUs, got {codec!r}")
         if not 1 <= pieces <= MAX_PIECES:
@@ -548,11 +614,14 @@ class DeviceBackend:
         if compress_blocks is not None and (codec != "cuda" or compress_blocks < 1):
             raise ValueError(f"compress_blocks caps the CUDA codec's compression grid: a positive count with codec "
                              f"'cuda', got {compress_blocks} with codec {codec!r}")
+        if fuse_barriers and codec != "cuda":
+            raise ValueError(f"only the CUDA codec's kernels perform barriers themselves, not codec {codec!r}'s")
         self._ctx = ctx
         self.double_buffer = double_buffer
         self.codec = codec
         self.pieces = pieces
         self.compress_blocks = compress_blocks
+        self.fuse_barriers = fuse_barriers
         self._state: tuple[Any, DeviceCollectives] | None = None
 
     def collectives(self, x: torch.Tensor, group: Any = None) -> DeviceCollectives:
@@ -578,7 +647,7 @@ class DeviceBackend:
         return self._state[1]
 
     def _make_codec(self) -> Codec:
-        return CudaCodec(self.compress_blocks) if self.codec == "cuda" else TritonCodec()
+        return CudaCodec(self.compress_blocks, self.fuse_barriers) if self.codec == "cuda" else TritonCodec()
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
         coll = self.collectives(x, group)
