@@ -18,7 +18,7 @@ from profile_program import profile_and_write  # bench/ is on sys.path when this
 OPS = ("all_gather", "reduce_scatter", "one_shot", "two_shot")
 
 
-def profile_job(ctx, op: str, mib: int, calls: int, top: int) -> str:
+def profile_job(ctx, op: str, mib: int, calls: int, top: int, fused: bool = False) -> str:
     """Runs inside each worker: warm up, then profile `calls` calls; rank 0 returns the table."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -26,7 +26,7 @@ def profile_job(ctx, op: str, mib: int, calls: int, top: int) -> str:
     from commweave.taco.device import DeviceBackend
     from commweave.taco.quant import QuantConfig
 
-    backend = DeviceBackend(ctx)
+    backend = DeviceBackend(ctx, fuse_barriers=fused)
     cfg = QuantConfig(128)
     n = (mib << 20) // 2
     full = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
@@ -87,11 +87,13 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--fused", action="store_true", help="the reading kernels perform the barrier (fuse_barriers)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/logs"))
     args = parser.parse_args()
     profile_and_write(args.gpus, f"{Path(__file__).stem}:profile_job",
-                      dict(op=args.op, mib=args.mib, calls=args.calls, top=args.top),
-                      args.out_dir / f"profile-taco-{args.op}-{args.mib}MiB-{args.gpus}gpu.txt", args.calls)
+                      dict(op=args.op, mib=args.mib, calls=args.calls, top=args.top, fused=args.fused),
+                      args.out_dir / f"profile-taco-{args.op}-{args.mib}MiB-{args.gpus}gpu{'-fused' if args.fused else ''}.txt",
+                      args.calls)
 
 
 if __name__ == "__main__":
