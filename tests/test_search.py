@@ -207,6 +207,21 @@ def test_one_move_switches_compression_on_where_the_tolerance_admits_it():
         memory.record(p.directives, TEMPLATE.seed_directives(), 0.0, None)
 
 
+def test_cost_model_charges_decompression_where_the_gather_already_hides():
+    """2 GPUs, 8192x8192x8192 (compute-bound: the BF16 gather hides behind the GEMM): FP8 measured
+    slower (sweep-gemm-allgather-lossy-2gpu-20261201T095159Z.json: 912.7 against 781.6 µs) and the
+    model says slower; 4 GPUs, 16384x4096x8192 (comm-bound): the model still predicts it faster."""
+    from commweave.workloads import get_workload
+
+    lossy = get_workload("gemm-allgather-lossy")
+    seed = lossy.template().seed_directives()
+    fp8 = seed.with_(compression="fp8_e4m3", group_size=128)
+    square = lossy.cost(lossy.parse_shape("8192x8192x8192", 2), 2)
+    assert predict_s(fp8, square, 2, MachineRates()) > predict_s(seed, square, 2, MachineRates())
+    tall = lossy.cost(lossy.parse_shape("16384x4096x8192", 4), 4)
+    assert predict_s(fp8, tall, 4, MachineRates()) < predict_s(seed, tall, 4, MachineRates())
+
+
 def test_compile_ahead_never_compiles_one_source_twice_at_once():
     active: dict[str, int] = {}
     overlap = []
