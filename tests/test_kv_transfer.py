@@ -189,6 +189,7 @@ def test_program_parses(wl: KvTransfer, name: str) -> None:
 
 def test_yardsticks_parse(wl: KvTransfer) -> None:
     assert set(wl.yardsticks) == {"prefill_alone", "peer_copy"}
+    assert wl.comm_yardsticks == ("peer_copy",)  # bench reports its GB/s
     for name in wl.yardsticks:
         assert {"setup", "run"} <= parse_program(wl.yardstick_text(name)).functions
     assert "communicate=False" in wl.yardstick_text("prefill_alone")

@@ -437,6 +437,17 @@ def test_program_parses(wl: MoELayer, name: str) -> None:
     assert bool(parsed.cuda_sources) == (name == "seed")
 
 
+def test_exchange_yardstick(wl: MoELayer) -> None:
+    """The `exchange` yardstick is the seed without expert computation; bench reports its bandwidth
+    (cost's comm_bytes over its time); the search's template never proposes it."""
+    assert wl.comm_yardsticks == ("exchange",) and set(wl.comm_yardsticks) <= set(wl.yardsticks)
+    assert "experts='none'" in wl.yardstick_text("exchange") and "experts='none'" not in wl.program_text("seed")
+    parse_program(wl.yardstick_text("exchange"))
+    from commweave.workloads.moe.template import KNOBS
+
+    assert "none" not in KNOBS["experts"]
+
+
 def test_seed_config_knobs(wl: MoELayer) -> None:
     text = with_config(wl.program_text("seed"), comm_ctas=32, swiglu="torch", wait="stream")
     assert "comm_ctas=32" in text and "swiglu='torch'" in text and "wait='stream'" in text

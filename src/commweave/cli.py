@@ -158,7 +158,8 @@ def bench(
                 progress.advance(task)
                 rows.append({"shape": shape.label, "verdicts": {n: asdict(v) for n, v in verdicts.items()},
                              "bench": asdict(result) if result else None, "_timings": result.programs if result else {},
-                             "_verdicts": verdicts, "floor_us": result.floor_us if result else None})
+                             "_verdicts": verdicts, "floor_us": result.floor_us if result else None,
+                             "comm_bytes": wl.cost(shape, gpus).comm_bytes})
     except PoolStartError as exc:
         _fail(str(exc))
 
@@ -184,6 +185,8 @@ def bench(
         fractions = {n: t / ours.median_us if t and ours is not None and ours.verdict.ok and ours.median_us else None
                      for n, t in yard_us.items()}
         row["yardsticks"] = {n: {"median_us": yard_us[n], "of_ours": fractions[n]} for n in yardsticks}
+        for n in wl.comm_yardsticks:
+            row["yardsticks"][n]["GBps"] = row["comm_bytes"] / yard_us[n] / 1e3 if yard_us[n] else None
         efficiency = row["floor_us"] / ours.median_us if ours is not None and ours.verdict.ok and ours.median_us else None
         row["speedup"] = dict(zip(wl.baselines, speedups))
         table.add_row(row["shape"], *cells, *yard_cells, *[f"{x:.2f}x" if x else "-" for x in speedups],
@@ -197,6 +200,13 @@ def bench(
     console.print(table)
     if yardsticks:
         console.print(f"yardsticks ({', '.join(yardsticks)}): timed in the same job, not checked (see the workload's yardsticks)")
+    for row in rows:
+        for n in wl.comm_yardsticks:
+            gbps = row["yardsticks"][n]["GBps"]
+            if gbps:
+                console.print(f"{row['shape']}: {n} moves the slowest rank's {row['comm_bytes'] / 2**20:,.1f} MiB at "
+                              f"{gbps:,.0f} GB/s, {gbps * 1e9 / rates.link_bytes_per_s:.2f} of the measured peer-copy "
+                              f"rate ({rates.link_bytes_per_s / 1e9:,.0f} GB/s)", highlight=False)
     for row in rows:
         held = {n: t["memory_bytes"] for n, t in (row["bench"] or {}).get("programs", {}).items() if t.get("memory_bytes") is not None}
         if held:

@@ -70,6 +70,9 @@ class Workload(ABC):
     #: reference, e.g. the compute alone with every input already present. Not correct programs
     #: (they skip the communication), so they are never checked, only timed (`bench`)
     yardsticks: dict[str, tuple[str, dict[str, Any]]] = {}
+    #: yardsticks that only move the call's data: `bench` reports their bandwidth (`cost()`'s
+    #: comm_bytes over their time) beside the measured peer-copy rate
+    comm_yardsticks: tuple[str, ...] = ()
 
     @property
     def programs_dir(self) -> Path:

@@ -71,6 +71,7 @@ class KvTransfer(Workload):
     #: measured against); peer_copy: one contiguous copy-engine copy of the same bytes (what the link
     #: gives one copy of this size)
     yardsticks = {"prefill_alone": ("seed", {"communicate": False}), "peer_copy": ("peer_copy", {})}
+    comm_yardsticks = ("peer_copy",)
 
     # -- shapes ---------------------------------------------------------------------------------
     def make_shape(self, tokens: int, world_size: int, kv_heads: int = KV_HEADS, passes: int = 0,

@@ -42,6 +42,10 @@ class MoELayer(Workload):
     world_sizes = (2, 4)
     baselines = ("host", "host_padded")
     seed = "seed"
+    #: the seed's dispatch and combine alone (no expert computation; not a correct program): with
+    #: `cost().comm_bytes` it gives the exchange's bandwidth, which the issue compares with a peer copy
+    yardsticks = {"exchange": ("seed", {"experts": "none"})}
+    comm_yardsticks = ("exchange",)
 
     # -- shapes ---------------------------------------------------------------------------------
     def make_shape(self, world_size: int, T: int, H: int, I: int, E: int, K: int, G: int, TG: int,

@@ -75,7 +75,9 @@ CONFIG = dict(
     combine_threads=512,  # threads per combine CTA
     comm_priority=-1,  # stream priority of the dispatch (negative: ahead of other work's CTAs)
     experts="auto",  # "grouped": torch._grouped_mm pair; "streamed": weight-streaming Triton pair;
-    # "auto": streamed up to experts.STREAMED_MAX_ROWS balanced rows per local expert (decode)
+    # "auto": streamed up to experts.STREAMED_MAX_ROWS balanced rows per local expert (decode);
+    # "none": no expert computation, the dispatched rows are combined as they are (a wrong result:
+    # the workload's `exchange` yardstick, the dispatch and combine alone)
     swiglu="fused",  # with "grouped": "fused": one kernel, SiLU(gate)*up in fp32 over the valid rows
     # only; "torch": F.silu(gate) * up over the whole pool (rows past the total included)
     wait="kernel",  # "kernel": a 1-thread acquire spin; "stream": cuStreamWaitValue64, no SM
@@ -305,8 +307,8 @@ def setup(ctx, shape):
             raise ValueError(f"CONFIG[{knob!r}] must be a multiple of 32 up to 1024, not {CONFIG[knob]}")
     if CONFIG["swiglu"] not in ("fused", "torch"):
         raise ValueError(f"CONFIG['swiglu'] must be 'fused' or 'torch', not {CONFIG['swiglu']!r}")
-    if CONFIG["experts"] not in ("auto", "grouped", "streamed"):
-        raise ValueError(f"CONFIG['experts'] must be 'auto', 'grouped' or 'streamed', not {CONFIG['experts']!r}")
+    if CONFIG["experts"] not in ("auto", "grouped", "streamed", "none"):
+        raise ValueError(f"CONFIG['experts'] must be 'auto', 'grouped', 'streamed' or 'none', not {CONFIG['experts']!r}")
     if CONFIG["wait"] not in ("kernel", "stream"):
         raise ValueError(f"CONFIG['wait'] must be 'kernel' or 'stream', not {CONFIG['wait']!r}")
     tokens, hidden, top_k, n_experts = shape["T"], shape["H"], shape["K"], shape["E"]
@@ -404,7 +406,10 @@ def _call(ctx, state, inputs, out):
     ], stream=comm, shared_mem=state["shared"])
 
     _wait(state, 0, world, CONFIG["comm_ctas"], main)  # every source's rows (and cnt) landed
-    y = _swiglu(state, state["pool"], inputs["w13"], inputs["w2"], routing.expert_group_ends(state["cnt"]))
+    if CONFIG["experts"] == "none":
+        y = state["pool"]
+    else:
+        y = _swiglu(state, state["pool"], inputs["w13"], inputs["w2"], routing.expert_group_ends(state["cnt"]))
     state["combine"].launch(CONFIG["combine_ctas"], CONFIG["combine_threads"], [
         y, state["pair"], state["src"], state["wt"], state["cnt"], state["cnt"].numel(), state["H"] // 8,
         x.shape[0] * state["K"], rank, world, wins["back"], wins["back"].offset, wins["flags"], wins["flags"].offset,
