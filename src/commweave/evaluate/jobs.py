@@ -267,6 +267,8 @@ def _call_peak_bytes(ctx: Any, name: str, program: Any, state: Any, inputs: dict
 def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
                    seed: int) -> RankBench:
     """Time `programs` side by side on `shape`: set each up once, rotate input sets (past 2x L2),
+    warm up on every input set (at least `warmup` iterations: a program that caches per input
+    address, e.g. a CUDA graph per address set, is timed in its steady state, not while capturing),
     interleave iterations round-robin, and judge each program's last output."""
     _harness_group()
     wl = resolve_workload(workload)
@@ -294,7 +296,7 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
                 result.memory[name] += _call_peak_bytes(ctx, name, program, state, sets[0][1], outs[name])
         else:
             result.memory.clear()  # host memory is not measured
-        for name, i in interleaved_schedule(list(active), warmup):
+        for name, i in interleaved_schedule(list(active), max(warmup, len(sets))):
             program, state = active[name]
             set_seed, inputs = sets[i % len(sets)]
             _iteration(ctx, name, i, program, state, inputs, outs[name], untouched[set_seed])
