@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The open issues' "done when" tables on W GPUs, in two device calls of under 10 minutes each.
+# Usage on the device machine (repository root; $OUT is where results come back):
+#   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 comm      # TACO, MoE, lossy GEMM (~8 min)
+#   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 compute   # attention, KV transfer, GEMM (~9 min)
+# Each step has its own time limit (rc 124: it ran out) and log under $OUT; summary.txt lists them.
+set -u
+W="${1:?usage: issue_tables.sh GPUS comm|compute}"
+PART="${2:?usage: issue_tables.sh GPUS comm|compute}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
+export COMMWEAVE_COMMIT="${COMMWEAVE_COMMIT:-unknown}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start; start=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "[$name] rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
+  grep -v "Warning\|warnings.warn" "$OUT/$name.log" | tail -20
+}
+
+case "$PART" in
+  comm)
+    step taco-tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_taco_device.py
+    step taco-bandwidth 90 python bench/taco_bandwidth.py --gpus "$W" --mibs 1 2 4 8 16 32 64 128 256 \
+      --codecs cuda cuda-fused --out-dir "$OUT"
+    step taco-train 120 python bench/taco_train.py --gpus "$W" --backend device --out-dir "$OUT"
+    step moe 120 python -m commweave.cli bench moe --gpus "$W" --out-dir "$OUT"
+    step gemm-lossy 60 python bench/sweep.py gemm-allgather-lossy --gpus "$W" \
+      --shapes 16384x4096x8192 8192x8192x8192 --grid compression=none,fp8_e4m3 --grid chunks=1,4
+    cp bench/results/sweep-gemm-allgather-lossy-"$W"gpu-*.json "$OUT"/ 2>/dev/null ;;
+  compute)
+    step attention 200 python -m commweave.cli bench attention-cp --gpus "$W" \
+      --shapes s32768-q32kv8-d128-full,s32768-q32kv8-d128-causal,s131072-q32kv8-d128-full \
+      --candidate src/commweave/workloads/attention_cp/programs/seed_pull.py --out-dir "$OUT"
+    step kv-transfer 150 python -m commweave.cli bench kv-transfer --gpus "$W" --shapes S128,S512,S2048,S16384,S2048-P13 \
+      --out-dir "$OUT"
+    step gemm 180 python -m commweave.cli bench gemm-allgather --gpus "$W" --out-dir "$OUT" ;;
+  *) echo "part must be comm or compute, not $PART" >&2; exit 2 ;;
+esac
+echo "==== summary"; cat "$OUT/summary.txt"
