@@ -298,22 +298,24 @@ class TracingCodec:
     def __init__(self, codec: Any, transport: FakeTransport, fuse_barriers: bool = False):
         self.codec, self.t, self.fuses_barriers = codec, transport, fuse_barriers
 
-    def _reads(self, parts: list[Compressed | torch.Tensor], barrier: FusedBarrier | None) -> None:
+    def _reads(self, parts: list[Compressed | torch.Tensor], barrier: FusedBarrier | None,
+               skip: int | None = None) -> None:
         if barrier is not None:
             assert self.fuses_barriers, "a fused barrier handed to a codec that does not fuse them"
             self.t.barrier()
-        for c in parts:
-            if isinstance(c, Compressed):
+        for p, c in enumerate(parts):
+            if isinstance(c, Compressed) and p != skip:
                 self.t.node.log("read", self.t, c.payload)
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                      skip: int | None = None) -> None:
+                      skip: int | None = None, own_out: torch.Tensor | None = None) -> None:
         self.t.node.log("write", self.t, buf)
-        self.codec.compress_into(x, cfg, buf, segments, skip)
+        self.codec.compress_into(x, cfg, buf, segments, skip, own_out=own_out)
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
-        self._reads(cs, barrier)
-        self.codec.gather_into(cs, out)
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None,
+                    skip: int | None = None) -> None:
+        self._reads(cs, barrier, skip)
+        self.codec.gather_into(cs, out, skip=skip)
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
                  barrier: FusedBarrier | None = None) -> None:
@@ -441,22 +443,22 @@ class SerializedCodec:
         self.codec = codec
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                      skip: int | None = None) -> None:
+                      skip: int | None = None, own_out: torch.Tensor | None = None) -> None:
         with self._lock:
-            self.codec.compress_into(x, cfg, buf, segments, skip)
+            self.codec.compress_into(x, cfg, buf, segments, skip, own_out=own_out)
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor) -> None:
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: None = None, skip: int | None = None) -> None:
         with self._lock:
-            self.codec.gather_into(cs, out)
+            self.codec.gather_into(cs, out, barrier, skip)
 
-    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor) -> None:
+    def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor, barrier: None = None) -> None:
         with self._lock:
-            self.codec.sum_into(parts, out)
+            self.codec.sum_into(parts, out, barrier)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor) -> None:
+                          buf: torch.Tensor, barrier: None = None) -> None:
         with self._lock:
-            self.codec.sum_compress_into(parts, dtype, cfg, buf)
+            self.codec.sum_compress_into(parts, dtype, cfg, buf, barrier)
 
 
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:

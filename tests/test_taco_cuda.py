@@ -84,6 +84,11 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.compress_into(x, cfg, buf[:-4], segments=2)
     with pytest.raises(ValueError, match="max_blocks must be at least 1"):
         cuda.compress_into(x, cfg, buf, max_blocks=0)
+    with pytest.raises(ValueError, match="own_out must be a contiguous torch.float32 tensor of 1024 elements"):
+        cuda.compress_into(x, cfg, buf, own_out=torch.empty(1000))
+    with pytest.raises(ValueError, match="and x one message"):
+        cuda.compress_into(x, cfg, torch.empty(2 * cfg.packed_stride(512), dtype=torch.uint8), segments=2,
+                           own_out=torch.empty(512))
     with pytest.raises(ValueError, match="need CUDA tensors"):
         cuda.compress_into(x, cfg, buf)
     with pytest.raises(ValueError, match="need CUDA tensors"):
@@ -107,6 +112,8 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.sum_into([packed, x.half()], torch.empty(x.numel()))
     with pytest.raises(ValueError, match="out must be a contiguous tensor of 2048 elements"):
         cuda.gather_into([packed, packed], torch.empty(x.numel()))
+    with pytest.raises(ValueError, match=r"skip must be a message index in 0..1"):
+        cuda.gather_into([packed, packed], torch.empty(2 * x.numel()), skip=2)
     with pytest.raises(TypeError, match="decompress to float32"):
         cuda.sum_into([packed], torch.empty(x.numel(), dtype=torch.float64))
     with pytest.raises(ValueError, match="must be a CUDA tensor on the messages' device"):
@@ -158,6 +165,11 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
             if not torch.equal(quant.pack(ker).cpu(), quant.pack(ref)):
                 failures.append(f"compress {cfg} {data.dtype} {tuple(data.shape)}")
                 continue
+            # an all-gather's own part: the decompression written by the compression pass itself
+            own = torch.full(data.shape, float("nan"), dtype=data.dtype, device=dev)
+            own_buf = cuda.compress_into(data.to(dev), cfg, torch.empty_like(quant.pack(ker)), own_out=own)
+            if not torch.equal(own_buf.cpu(), quant.pack(ref)) or not same_bits(own.cpu(), quant.decompress(ref)):
+                failures.append(f"compress with own_out {cfg} {data.dtype} {tuple(data.shape)}")
             for dtype in DTYPES:
                 if not same_bits(cuda.decompress(ker, dtype).cpu(), quant.decompress(ref, dtype)):
                     failures.append(f"decompress {cfg} {data.dtype} -> {dtype}")
@@ -175,6 +187,10 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
         for p in range(3):
             if not same_bits(gathered[p], quant.decompress(refs[p], torch.bfloat16)):
                 failures.append(f"gather {cfg} message {p}")
+        poisoned = torch.full((3, *xs[0].shape), float("nan"), device=dev, dtype=torch.bfloat16)
+        skipped = cuda.gather_into(msgs, poisoned, skip=1).cpu()  # message 1 left as it was
+        if not (skipped[1].isnan().all() and same_bits(skipped[0], gathered[0]) and same_bits(skipped[2], gathered[2])):
+            failures.append(f"gather {cfg} skipping message 1")
         total = quant.decompress(refs[0], torch.float32)
         for r in refs[1:]:
             total = total + quant.decompress(r, torch.float32)

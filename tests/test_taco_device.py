@@ -147,8 +147,8 @@ def test_a_fused_barrier_the_reading_call_skips_is_caught_by_the_hazard_log():
     the barrier is reported, for each kind of reading call."""
 
     class Skips(taco_jobs.TracingCodec):
-        def _reads(self, parts, barrier):
-            super()._reads(parts, None)
+        def _reads(self, parts, barrier, skip=None):
+            super()._reads(parts, None, skip)
 
     x = torch.randn(4, 1024)
     for op in ("all_gather", "reduce_scatter", "two_shot"):

@@ -143,14 +143,17 @@ def _aligned(ptr: int, stride_bytes: int) -> bool:
 
 
 def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                  skip: int | None = None, max_blocks: int | None = None) -> torch.Tensor:
+                  skip: int | None = None, max_blocks: int | None = None,
+                  own_out: torch.Tensor | None = None) -> torch.Tensor:
     """Compress `x` into `buf` (16-byte aligned) in `quant.pack`'s layout; with `segments` > 1, x
     (split into that many equal chunks along dim 0) into as many packed messages, chunk q at
     q * cfg.packed_stride(chunk) (what a reduce-scatter sends rank q), all but chunk `skip` (its
     bytes are left as they are). x may also be a [segments, chunk] view whose rows are contiguous
     but apart (a column slice of every rank's chunk: a pipelined reduce-scatter's piece); it is read
     in place. One launch, of at most `max_blocks` blocks of 256 threads when given (what a caller
-    lends the compression beside other kernels, e.g. a pipelined collective's reads); returns buf."""
+    lends the compression beside other kernels, e.g. a pipelined collective's reads). `own_out` (one
+    message only): also write decompress(the message) there, from the quantized values still in
+    registers (an all-gather's own part; the same bits `gather_into` would write). Returns buf."""
     if x.dtype not in DTYPE_CODE:
         raise TypeError(f"the CUDA kernels compress float32, float16 or bfloat16 tensors, got {x.dtype}")
     if x.dim() == 0 or segments < 1 or x.shape[0] % segments:
@@ -174,11 +177,18 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
         raise ValueError(f"x is on {x.device} but buf on {buf.device}")
     if buf.data_ptr() % 16:
         raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
+    if own_out is not None and (segments != 1 or own_out.dtype != x.dtype or own_out.numel() != chunk
+                                or not own_out.is_contiguous() or own_out.device != x.device):
+        raise ValueError(f"own_out must be a contiguous {x.dtype} tensor of {chunk} elements on {x.device} and x one "
+                         f"message, got {own_out.dtype} {tuple(own_out.shape)} on {own_out.device} with {segments} "
+                         f"segments")
     if chunk == 0:
         return buf
     vec = _aligned(x.data_ptr(), chunk * x.element_size()) and _aligned(0, x_stride * x.element_size())
+    own_vec = own_out is not None and _aligned(own_out.data_ptr(), 0)
     _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(chunk),
-            [x, chunk, x_stride, segments, buf, stride, int(vec), -1 if skip is None else skip], max_blocks)
+            [x, chunk, x_stride, segments, buf, stride, int(vec), -1 if skip is None else skip,
+             0 if own_out is None else own_out.data_ptr(), int(own_vec)], max_blocks)
     return buf
 
 
@@ -252,13 +262,17 @@ def _check_result(parts: Sequence[Compressed | torch.Tensor], result: torch.Tens
                          f"messages on {sorted(map(str, devices))}")
 
 
-def gather_into(cs: Sequence[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> torch.Tensor:
-    """out[p] = decompress(cs[p]) for every message (out: len(cs) * numel elements, any shape; or a
-    [len(cs), numel] view whose rows are contiguous but apart, e.g. one piece of every rank's part
-    of an all-gather), in one launch whose warps interleave the messages (every peer's link busy),
-    after `barrier` when given (the kernel performs it even when there is nothing to read)."""
+def gather_into(cs: Sequence[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None,
+                skip: int | None = None) -> torch.Tensor:
+    """out[p] = decompress(cs[p]) for every message but `skip` (out: len(cs) * numel elements, any
+    shape; or a [len(cs), numel] view whose rows are contiguous but apart, e.g. one piece of every
+    rank's part of an all-gather; out[skip] is left as it is), in one launch whose warps interleave
+    the messages (every peer's link busy), after `barrier` when given (the kernel performs it even
+    when there is nothing to read)."""
     if any(not isinstance(c, Compressed) for c in cs):
         raise ValueError("gather_into takes packed messages only")
+    if skip is not None and not 0 <= skip < len(cs):
+        raise ValueError(f"skip must be a message index in 0..{len(cs) - 1} or None, got {skip}")
     cfg, numel, ptrs, _ = _sources(cs, "gather_into", out.dtype)
     rows = _apart_rows(out, len(cs))
     if not rows:
@@ -266,10 +280,11 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor, barrier: FusedBarri
     else:
         _check_result(cs, out[0], numel, "gather_into")
     out_stride = out.stride(0) if rows else numel
-    if numel or barrier is not None:
+    read = len(cs) - (skip is not None)
+    if (numel and read) or barrier is not None:
         vec = _aligned(out.data_ptr(), out_stride * out.element_size())
-        _launch(out.device, specialization(cfg, out.dtype), "taco_gather", len(cs) * _items(numel),
-                [ptrs, len(cs), numel, out, out_stride, int(vec), _barrier_arg(barrier)])
+        _launch(out.device, specialization(cfg, out.dtype), "taco_gather", read * _items(numel),
+                [ptrs, len(cs), numel, out, out_stride, int(vec), -1 if skip is None else skip, _barrier_arg(barrier)])
     return out
 
 

@@ -138,16 +138,18 @@ class Codec(Protocol):
     fuses_barriers: bool  # its reading calls take a FusedBarrier (else the collectives queue barrier())
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                      skip: int | None = None) -> None:
+                      skip: int | None = None, own_out: torch.Tensor | None = None) -> None:
         """x split into `segments` equal chunks along dim 0, chunk q packed at q * packed_stride(chunk)
         (one message: the whole buffer); chunk `skip` is not compressed (its segment is left as is).
-        x may be a [segments, chunk] view with contiguous rows apart (a pipelined piece)."""
+        x may be a [segments, chunk] view with contiguous rows apart (a pipelined piece). `own_out`
+        (one message): also decompress(the message) written there (an all-gather's own part)."""
         ...
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
-        """out[p] = decompress(cs[p]) (out: (len(cs), *shape), contiguous; or [len(cs), numel] with
-        contiguous rows apart: a pipelined piece of every rank's part). `barrier` (only if
-        `fuses_barriers`): performed first, by the same launch."""
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None,
+                    skip: int | None = None) -> None:
+        """out[p] = decompress(cs[p]) for p != skip (out: (len(cs), *shape), contiguous; or
+        [len(cs), numel] with contiguous rows apart: a pipelined piece of every rank's part).
+        `barrier` (only if `fuses_barriers`): performed first, by the same launch."""
         ...
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
@@ -183,18 +185,24 @@ class PerMessageCodec:
         raise NotImplementedError
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                      skip: int | None = None) -> None:
+                      skip: int | None = None, own_out: torch.Tensor | None = None) -> None:
         chunks = x.chunk(segments, dim=0)
         wire = cfg.wire_bytes(chunks[0].numel())
         stride = cfg.packed_stride(chunks[0].numel()) if segments > 1 else wire
         for q, chunk in enumerate(chunks):
             if q != skip:
                 self.compress_one(chunk, cfg, buf[q * stride:q * stride + wire])
+        if own_out is not None:
+            if segments != 1:
+                raise ValueError(f"own_out takes one message, not {segments} segments")
+            self.decompress_one(packed_view(buf[:wire], (x.numel(),), x.dtype, cfg), own_out)
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None,
+                    skip: int | None = None) -> None:
         _unfused(barrier)
         for p, c in enumerate(cs):
-            self.decompress_one(c, out[p])
+            if p != skip:
+                self.decompress_one(c, out[p])
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
                  barrier: FusedBarrier | None = None) -> None:
@@ -269,11 +277,12 @@ class CudaCodec:
         self.fuses_barriers = fuse_barriers
 
     def compress_into(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments: int = 1,
-                      skip: int | None = None) -> None:
-        self._k.compress_into(x, cfg, buf, segments, skip, self.compress_blocks)
+                      skip: int | None = None, own_out: torch.Tensor | None = None) -> None:
+        self._k.compress_into(x, cfg, buf, segments, skip, self.compress_blocks, own_out)
 
-    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
-        self._k.gather_into(cs, out, barrier)
+    def gather_into(self, cs: list[Compressed], out: torch.Tensor, barrier: FusedBarrier | None = None,
+                    skip: int | None = None) -> None:
+        self._k.gather_into(cs, out, barrier, skip)
 
     def sum_into(self, parts: list[Compressed | torch.Tensor], out: torch.Tensor,
                  barrier: FusedBarrier | None = None) -> None:
@@ -364,10 +373,12 @@ class DeviceCollectives:
 
     # -- the collectives ------------------------------------------------------------------------
     def _exchange(self, op: str, x: torch.Tensor, cfg: QuantConfig,
-                  consume: Callable[[list[Compressed], int, int, FusedBarrier | None], None]) -> Hashable:
-        """An all-gather's exchange: x compressed into this rank's buffer, then every rank's message
-        (rank order, read in place) handed to `consume(messages, lo, hi, barrier)` for elements
-        [lo, hi) of x. Unpipelined: one piece, a barrier between (`barrier`: for the reading launch to
+                  consume: Callable[[list[Compressed], int, int, FusedBarrier | None], None],
+                  own_out: torch.Tensor | None = None) -> Hashable:
+        """An all-gather's exchange: x compressed into this rank's buffer (and, with `own_out`, its
+        decompression written there by the same pass: elements [lo, hi) to own_out[lo:hi]), then
+        every rank's message (rank order, read in place) handed to `consume(messages, lo, hi,
+        barrier)` for elements [lo, hi) of x. Unpipelined: one piece, a barrier between (`barrier`: for the reading launch to
         perform, or None if queued already). Pipelined: piece k packed at k * stride, published to
         every rank, consumed as it lands. Returns the buffer's key (the caller records the read)."""
         numel = x.numel()
@@ -379,25 +390,32 @@ class DeviceCollectives:
         def messages(k: int) -> list[Compressed]:
             return self._messages(buf, k * stride, k * stride + wire, (piece,), x.dtype, cfg)
 
+        def own(lo: int, hi: int) -> torch.Tensor | None:
+            return None if own_out is None else own_out[lo:hi]
+
         if n == 1:
-            self.codec.compress_into(flat, cfg, buf[:wire])
+            self.codec.compress_into(flat, cfg, buf[:wire], own_out=own(0, numel))
             barrier = self._read_barrier()  # before the peers' views (a fake transport makes them lazily)
             consume(messages(0), 0, numel, barrier)
         else:
             everyone = range(self.t.world_size)
             self.epoch += 1
             self._pipeline(n, lambda k: self.codec.compress_into(flat[k * piece:(k + 1) * piece], cfg,
-                                                                 buf[k * stride:k * stride + wire]),
+                                                                 buf[k * stride:k * stride + wire],
+                                                                 own_out=own(k * piece, (k + 1) * piece)),
                            lambda k: consume(messages(k), k * piece, (k + 1) * piece, None), everyone, everyone)
         return key
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
-        """Every rank's x concatenated along dim 0, each decompressed from its owner's buffer."""
+        """Every rank's x concatenated along dim 0, each decompressed from its owner's buffer; this
+        rank's own part written by its compression pass (the same bits, not read back)."""
         _check_input(x, self.t.device)
-        world = self.t.world_size
+        world, rank = self.t.world_size, self.t.rank
         out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
         rows = out.view(world, -1)
-        key = self._exchange("all_gather", x, cfg, lambda ms, lo, hi, bar: self.codec.gather_into(ms, rows[:, lo:hi], bar))
+        key = self._exchange("all_gather", x, cfg,
+                             lambda ms, lo, hi, bar: self.codec.gather_into(ms, rows[:, lo:hi], bar, skip=rank),
+                             own_out=rows[rank])
         self._read_at[key] = self.barriers
         return out.view(world * x.shape[0], *x.shape[1:])
 

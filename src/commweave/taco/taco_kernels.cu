@@ -356,10 +356,10 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 // Compress this lane's part of a work item (every lane takes part: shuffles) and store it into the
 // packed message at `payload` (groups past the message's end are dropped): a whole item's payload
 // through the warp's stage (coalesced), else lane by lane; the first lane of a group its scales.
+// q, scale, pre: what was stored (for a caller that also decompresses it).
 __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t* stage, uint8_t* payload,
-                                               long long groups, long long item_first) {
-  Payload q;
-  float scale, pre;
+                                               long long groups, long long item_first, Payload& q, float& scale,
+                                               float& pre) {
   compress_group(v, lane, q, scale, pre);
   const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
   const long long first = item_first + lane * E, group = first / G;
@@ -427,6 +427,9 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // Compress `segments` messages of `numel` elements each, message s at x + s * x_stride, into packed
 // message s at buf + s * buf_stride (16-byte aligned), all but message `skip` (-1: none; a
 // reduce-scatter's own chunk). vec: x and x_stride allow 16-byte loads.
+// own_out (non-null, segments 1): the message also decompressed, from the values just quantized in
+// registers, into own_out (the input's type; own_vec: 16-byte stores allowed): an all-gather's own
+// part, bit for bit what taco_gather would make of the stored bytes, without reading them back.
 // FP32 input: a warp's next whole item is fetched into its shared inbox (cp.async, coalesced,
 // swizzled as the stage) while it compresses the current one, so the loads' latency hides behind
 // the arithmetic without holding registers (the compression takes ~120 of its 128). Same-run A/B on
@@ -435,13 +438,18 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // 16-bit input and partial items load straight into registers.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
-              int vec, int skip) {
+              int vec, int skip, void* own_out_, int own_vec) {
   using T = typename Storage<TACO_IN>::T;
   constexpr bool FETCH = sizeof(T) == 4;
   constexpr int LANE_BYTES = E * sizeof(T);  // a lane's input bytes
   constexpr int P = LANE_BYTES / 16;
+  // 16-bit own_out goes out through a stage (coalesced); FP32's would not fit beside its inbox in
+  // 48 KiB of static shared memory, so FP32 stores lane by lane (slower, still exact)
+  constexpr bool STAGE_OUT = sizeof(T) == 2;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   __shared__ __align__(16) uint8_t inbox[8][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
+  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? 32 * LANE_BYTES : 16];  // a warp's own_out bytes
+  T* own_out = static_cast<T*>(own_out_);
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
   const long long groups = (numel + G - 1) / G;
@@ -485,7 +493,25 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
     long long next = item + warps;
     while (skipped(next)) next += warps;
     if (next < items && fetched(next)) prefetch(next);
-    compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first);
+    Payload q;
+    float scale, pre;
+    compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre);
+    if (own_out != nullptr) {  // grid-uniform
+      decompress_group(q, scale, pre, lane, v);
+      if (STAGE_OUT && own_vec && item_first + ITEM <= numel) {  // warp-uniform: a whole item, coalesced
+        uint4 pieces[P];
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          Chunk<T> c;
+#pragma unroll
+          for (int r = 0; r < 16 / (int)sizeof(T); ++r) c.v[r] = from_float<TACO_IN>(v[k * (16 / sizeof(T)) + r]);
+          pieces[k] = *reinterpret_cast<const uint4*>(&c);
+        }
+        store_staged<LANE_BYTES>(out_stage[warp], pieces, reinterpret_cast<uint8_t*>(own_out + item_first), lane);
+      } else if (first < numel) {
+        store_lane<TACO_IN>(own_out + first, first, numel, own_vec, v);
+      }
+    }
     item = next;
   }
 }
@@ -528,7 +554,8 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
 // different ranks: every link busy at once). SUM == true: out = the FP32 sum of the TACO_NSRC
 // messages' decompressions in order (the first not added to zero, as the reference's), cast once;
 // message `own` (-1: none) is raw elements of the output's type instead, added exactly (a
-// reduce-scatter's own chunk). A warp walks its (item, message) steps with the next step's bytes loaded while the current one
+// reduce-scatter's own chunk). Without SUM, message `own` (-1: none) is skipped: its place in out is
+// left as it is (an all-gather's own part, which the compression already wrote). A warp walks its (item, message) steps with the next step's bytes loaded while the current one
 // is decompressed; whole items move through the warp's shared stage (coalesced loads and stores).
 // vec: out and out_stride allow 16-byte stores.
 // REQUANTIZE (with SUM): instead of storing the sum, round it to the output's type and compress it
@@ -545,13 +572,19 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   uint8_t* my_stage = stage[warp];
   const long long groups = (numel + G - 1) / G;
   const long long per_message = (numel + ITEM - 1) / ITEM;
-  const long long items = SUM ? per_message : per_message * n_src;
+  const int n_read = !SUM && own >= 0 ? n_src - 1 : n_src;  // messages read (gather: all but `own`)
+  const long long items = SUM ? per_message : per_message * n_read;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  // step (item, i): message p = SUM ? i : item % n_src, elements from (SUM ? item : item / n_src) * ITEM
+  // step (item, i): message p = SUM ? i : message(item % n_read), elements from
+  // (SUM ? item : item / n_read) * ITEM
+  auto message = [&](long long item) {
+    const int k = (int)(item % n_read);
+    return own >= 0 && k >= own ? k + 1 : k;
+  };
   auto fetch = [&](long long item, int i) {
     if (SUM && i == own) return LaneData{};  // raw elements: loaded where they are used
-    const int p = SUM ? i : (int)(item % n_src);
-    const long long item_first = (SUM ? item : item / n_src) * ITEM;
+    const int p = SUM ? i : message(item);
+    const long long item_first = (SUM ? item : item / n_read) * ITEM;
     return load_message(reinterpret_cast<const uint8_t*>(src.ptr[p]), groups, item_first,
                         item_first + ITEM <= groups * G, lane);
   };
@@ -566,8 +599,8 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     const int next_i = i + 1 < STEPS ? i + 1 : 0;
     LaneData next{};
     if (next_item < items) next = fetch(next_item, next_i);
-    const int p0 = SUM ? 0 : (int)(item % n_src);
-    const long long item_first = (SUM ? item : item / n_src) * ITEM;
+    const int p0 = SUM ? 0 : message(item);
+    const long long item_first = (SUM ? item : item / n_read) * ITEM;
     const long long first = item_first + lane * E;
     float v[E];
     if (SUM && i == own) {  // warp-uniform
@@ -584,7 +617,9 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
       // quant: the sum cast to the dtype (padding past numel is zero, as compress pads), compressed
 #pragma unroll
       for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(from_float<TACO_OUT>(acc[r])) : 0.0f;
-      compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first);
+      Payload q;
+      float scale, pre;
+      compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre);
     } else if (i == STEPS - 1) {
       T* dst = out + (SUM ? 0 : p0 * out_stride);
       if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
@@ -611,9 +646,9 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
 // The reading kernels start with `bar` (epoch 0: none), then read every source.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_GATHER)
 taco_gather(const __grid_constant__ Sources src, int n_src, long long numel, void* out, long long out_stride, int vec,
-            const __grid_constant__ Barrier bar) {
+            int skip, const __grid_constant__ Barrier bar) {
   fused_barrier(bar);
-  decompress_items<false>(src, n_src, numel, out, out_stride, vec, -1);
+  decompress_items<false>(src, n_src, numel, out, out_stride, vec, skip);
 }
 
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_SUM)
