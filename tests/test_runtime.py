@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import CompileError, compile_cubin, compile_host_library
@@ -69,6 +70,38 @@ def test_pack_argument_follows_the_kernels_parameter_widths():
         pack_argument(1 << 40, 4, 1, "k")
     with pytest.raises(LaunchError, match="unsupported type"):
         pack_argument("text", 8, 2, "k")
+
+
+def test_launch_hands_the_driver_each_arguments_bytes(monkeypatch):
+    """Kernel.launch packs every argument into one buffer: the driver must find, at pointer i,
+    exactly pack_argument's bytes for parameter i (widths 1 to 136, tensors, ctypes arrays, ints)."""
+    from commweave.runtime import launch
+
+    seen = {}
+
+    class FakeDriver:
+        CUstream = staticmethod(lambda handle: handle)
+
+        def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            seen["args"] = [ctypes.string_at(pointers[i], n) for i, n in enumerate(kernel.param_sizes)]
+            seen["grid"], seen["block"] = (gx, gy, gz), (bx, by, bz)
+            return (0,)
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
+    monkeypatch.setattr(launch, "_check", lambda result, call: None)
+    kernel = launch.Kernel.__new__(launch.Kernel)
+    kernel.function, kernel.name, kernel.param_sizes = None, "k", [64, 4, 8, 1, 8, 2, 136, 4]
+    t = torch.empty(3)
+    args = [(ctypes.c_uint64 * 8)(*range(8)), -7, 1 << 40, True, t, ctypes.c_uint16(9),
+            (ctypes.c_uint64 * 17)(*range(100, 117)), 2.5]
+    kernel.launch((3, 2), 128, args, stream=Stream())
+    assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
+    assert seen["args"][1] == struct.pack("<i", -7) and seen["args"][4] == struct.pack("<Q", t.data_ptr())
+    assert seen["grid"] == (3, 2, 1) and seen["block"] == (128, 1, 1)
 
 
 def test_sticky_cuda_errors_are_recognised():

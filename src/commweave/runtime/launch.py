@@ -10,6 +10,7 @@ against the compiled signature instead of trusted, and it passes an opaque struc
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +47,11 @@ def pack_argument(value: Any, size: int, index: int, kernel: str) -> bytes:
     Tensors and windows become 8-byte addresses, a DevComm its whole struct; Python ints and floats
     take the parameter's width; ctypes and numpy scalars must already have it.
     """
+    if type(value) is int and size in (1, 2, 4, 8):  # the common case first: launches are per call
+        try:
+            return value.to_bytes(size, "little", signed=value < 0)
+        except OverflowError as exc:
+            raise LaunchError(f"{kernel}: argument {index}: {value} does not fit the {size}-byte parameter") from exc
     where = f"{kernel}: argument {index}"
     if hasattr(value, "data_ptr") and callable(value.data_ptr):  # torch.Tensor
         raw = struct.pack("<Q", value.data_ptr())
@@ -111,8 +117,13 @@ class Kernel:
         if len(args) != len(self.param_sizes):
             raise LaunchError(f"{self.name} takes {len(self.param_sizes)} arguments, got {len(args)}")
         packed = [pack_argument(a, s, i, self.name) for i, (a, s) in enumerate(zip(args, self.param_sizes))]
-        buffers = [ctypes.create_string_buffer(raw, len(raw)) for raw in packed]
-        pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[ctypes.addressof(b) for b in buffers])
+        # every argument's bytes in one buffer, each at an 8-byte aligned offset; the driver reads
+        # param_sizes[i] bytes at pointers[i] (one allocation a launch instead of one per argument)
+        slots = [-(-len(raw) // 8) * 8 for raw in packed]
+        blob = ctypes.create_string_buffer(b"".join(raw.ljust(n, b"\0") for raw, n in zip(packed, slots)),
+                                           max(sum(slots), 1))
+        base = ctypes.addressof(blob)
+        pointers = (ctypes.c_void_p * max(1, len(packed)))(*[base + o for o in itertools.accumulate([0, *slots[:-1]])])
         g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         b = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
         stream = stream if stream is not None else torch.cuda.current_stream()
