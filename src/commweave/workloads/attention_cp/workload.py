@@ -140,6 +140,11 @@ class AttentionCP(Workload):
             memory_bytes=float((2 * local * hq * d + 2 * seq * hkv * d) * item),
         )
 
+    def template(self):
+        from commweave.workloads.attention_cp.template import make_template
+
+        return make_template(self)
+
     def ideal_flops(self, shape: Shape, world_size: int, rank: int) -> float:
         """FLOPs of `rank`'s attention with all KV present (equal on every rank when balanced)."""
         return 4.0 * visible_pairs(shape["S"], world_size, rank, bool(shape["CAUSAL"])) * shape["HQ"] * shape["D"]
