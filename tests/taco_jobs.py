@@ -323,10 +323,11 @@ class TracingCodec:
         self.codec.sum_into(parts, out)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None,
+                          own_out: torch.Tensor | None = None) -> None:
         self._reads(parts, barrier)
         self.t.node.log("write", self.t, buf)
-        self.codec.sum_compress_into(parts, dtype, cfg, buf)
+        self.codec.sum_compress_into(parts, dtype, cfg, buf, own_out=own_out)
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
@@ -456,9 +457,9 @@ class SerializedCodec:
             self.codec.sum_into(parts, out, barrier)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor, barrier: None = None) -> None:
+                          buf: torch.Tensor, barrier: None = None, own_out: torch.Tensor | None = None) -> None:
         with self._lock:
-            self.codec.sum_compress_into(parts, dtype, cfg, buf, barrier)
+            self.codec.sum_compress_into(parts, dtype, cfg, buf, barrier, own_out)
 
 
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:

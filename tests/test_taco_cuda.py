@@ -106,6 +106,9 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.sum_into([packed] * 9, torch.empty(x.numel()))
     with pytest.raises(ValueError, match="requantizes with the messages' config"):
         cuda.sum_compress_into([packed], torch.float32, QuantConfig(64), torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="own_out must be a contiguous torch.float32 tensor of 1024 elements"):
+        cuda.sum_compress_into([packed], torch.float32, cfg, torch.empty(cfg.wire_bytes(1024), dtype=torch.uint8),
+                               own_out=torch.empty(1024, dtype=torch.float16))
     with pytest.raises(ValueError, match="at most one raw tensor"):
         cuda.sum_into([packed, x, x], torch.empty(x.numel()))
     with pytest.raises(ValueError, match="raw part must be a contiguous torch.float32 tensor of 1024 elements"):
@@ -205,10 +208,14 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
             if not same_bits(got, expect.to(dtype)):
                 failures.append(f"sum with an own chunk {cfg} -> {dtype}")
             # two-shot's requantization: that sum in dtype, compressed, in one kernel
+            requantized = torch.full(own.shape, float("nan"), dtype=dtype, device=dev)  # and its own part
             packed = cuda.sum_compress_into([msgs[0], own.to(dev), msgs[2]], dtype, cfg,
-                                            torch.empty(cfg.wire_bytes(own.numel()), dtype=torch.uint8, device=dev))
+                                            torch.empty(cfg.wire_bytes(own.numel()), dtype=torch.uint8, device=dev),
+                                            own_out=requantized)
             if not torch.equal(packed.cpu(), quant.pack(quant.compress(expect.to(dtype), cfg))):
                 failures.append(f"sum_compress {cfg} in {dtype}")
+            if not same_bits(requantized.cpu(), quant.decompress(quant.compress(expect.to(dtype), cfg))):
+                failures.append(f"sum_compress's own part {cfg} in {dtype}")
         # segments: chunk q of x compressed into message q (also from strided rows, on a 3-block grid)
         x = torch.randn(4, 1000, device=dev, dtype=torch.bfloat16)
         seg, wire = cfg.packed_stride(1000), cfg.wire_bytes(1000)

@@ -304,23 +304,32 @@ def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor,
 
 
 def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                      buf: torch.Tensor, barrier: FusedBarrier | None = None) -> torch.Tensor:
+                      buf: torch.Tensor, barrier: FusedBarrier | None = None,
+                      own_out: torch.Tensor | None = None) -> torch.Tensor:
     """buf = pack(compress(sum_into(parts) in `dtype`, cfg)) in one launch (after `barrier` when
     given): two-shot all-reduce's requantization of its reduced chunk, with no round trip of that
-    chunk through memory. `cfg` must be the messages' own (the kernel is specialised for one config)."""
+    chunk through memory; with `own_out` (a contiguous `dtype` tensor of the chunk's size), also
+    decompress(that message) written there (this rank's part of two-shot's all-gather). `cfg` must
+    be the messages' own (the kernel is specialised for one config)."""
     first = next((p for p in parts if isinstance(p, Compressed)), None)
     if first is not None and first.config != cfg:
         raise ValueError(f"sum_compress_into requantizes with the messages' config {first.config}, got {cfg}")
     _, numel, ptrs, own = _sources(parts, "sum_compress_into", dtype)
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ValueError(f"buf must be a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
+    if own_out is not None and (own_out.dtype != dtype or own_out.numel() != numel or not own_out.is_contiguous()
+                                or own_out.device != buf.device):
+        raise ValueError(f"own_out must be a contiguous {dtype} tensor of {numel} elements on {buf.device}, got "
+                         f"{own_out.dtype} {tuple(own_out.shape)} on {own_out.device}")
     _check_result(parts, buf, cfg.wire_bytes(numel), "sum_compress_into")
     if buf.data_ptr() % 16:
         raise ValueError("buf must start at a 16-byte aligned address (the kernels store 16 bytes at a time)")
     if numel or barrier is not None:
         vec = own < 0 or _aligned(parts[own].data_ptr(), 0)
+        own_vec = own_out is not None and _aligned(own_out.data_ptr(), 0)
         _launch(buf.device, specialization(cfg, dtype, len(parts)), "taco_sum_compress", _items(numel),
-                [ptrs, numel, buf, int(vec), own, _barrier_arg(barrier)])
+                [ptrs, numel, buf, int(vec), own, 0 if own_out is None else own_out.data_ptr(), int(own_vec),
+                 _barrier_arg(barrier)])
     return buf
 
 

@@ -159,8 +159,10 @@ class Codec(Protocol):
         ...
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
-        """buf = pack(compress(the sum_into result in `dtype`, cfg)): two-shot's requantization."""
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None,
+                          own_out: torch.Tensor | None = None) -> None:
+        """buf = pack(compress(the sum_into result in `dtype`, cfg)): two-shot's requantization;
+        `own_out`: also decompress(that message) written there (this rank's part of phase 2)."""
         ...
 
 
@@ -221,12 +223,15 @@ class PerMessageCodec:
         out.copy_(acc)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None,
+                          own_out: torch.Tensor | None = None) -> None:
         _unfused(barrier)
         first = next(p for p in parts if isinstance(p, Compressed))
         reduced = torch.empty(first.shape, dtype=dtype, device=buf.device)
         self.sum_into(parts, reduced)
         self.compress_one(reduced, cfg, buf)
+        if own_out is not None:
+            self.decompress_one(packed_view(buf, first.shape, dtype, cfg), own_out)
 
 
 class ReferenceCodec(PerMessageCodec):
@@ -289,8 +294,9 @@ class CudaCodec:
         self._k.sum_into(parts, out, barrier)
 
     def sum_compress_into(self, parts: list[Compressed | torch.Tensor], dtype: torch.dtype, cfg: QuantConfig,
-                          buf: torch.Tensor, barrier: FusedBarrier | None = None) -> None:
-        self._k.sum_compress_into(parts, dtype, cfg, buf, barrier)
+                          buf: torch.Tensor, barrier: FusedBarrier | None = None,
+                          own_out: torch.Tensor | None = None) -> None:
+        self._k.sum_compress_into(parts, dtype, cfg, buf, barrier, own_out)
 
 
 class DeviceCollectives:
@@ -488,26 +494,29 @@ class DeviceCollectives:
         stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
         phase2: dict[str, Any] = {}
 
+        full = torch.empty((world, per_rank), dtype=x.dtype, device=x.device)
+
         def requantize(k: int, parts: list[Compressed | torch.Tensor], lo: int, hi: int,
                        barrier: FusedBarrier | None) -> None:
-            """The reduced piece, requantized in x's dtype into phase 2's buffer (then published).
+            """The reduced piece, requantized in x's dtype into phase 2's buffer (then published),
+            and its decompression written into this rank's part of the result by the same pass.
             That buffer is taken at the first piece: after phase 1's (and its rewrite barrier)."""
             if not phase2:
                 phase2["key"], phase2["buf"] = self._buffer("two_shot_gather", (1, per_rank), x.dtype, cfg, n * stride)
-            self.codec.sum_compress_into(parts, x.dtype, cfg, phase2["buf"][k * stride:k * stride + wire], barrier)
+            self.codec.sum_compress_into(parts, x.dtype, cfg, phase2["buf"][k * stride:k * stride + wire], barrier,
+                                         own_out=full[self.t.rank, lo:hi])
             if n > 1:
                 self.t.publish(MAX_PIECES + k, self.epoch, everyone)
 
         key1 = self._scatter("two_shot_scatter", padded, cfg, requantize)  # phase 1: a reduce-scatter's exchange
         self._read_at[key1] = self.barriers
         key2, buf2 = phase2["key"], phase2["buf"]
-        full = torch.empty((world, per_rank), dtype=x.dtype, device=x.device)
         barrier = self._read_barrier() if n == 1 else None
         for k in range(n):  # phase 2: an all-gather of the requantized pieces (pipelined: as they are published)
             if n > 1:
                 self.t.wait(MAX_PIECES + k, self.epoch, everyone)
             self.codec.gather_into(self._messages(buf2, k * stride, k * stride + wire, (piece,), x.dtype, cfg),
-                                   full[:, k * piece:(k + 1) * piece], barrier)
+                                   full[:, k * piece:(k + 1) * piece], barrier, skip=self.t.rank)
         self._read_at[key2] = self.barriers
         return full.reshape(-1)[: flat.numel()].view(x.shape)
 

@@ -559,10 +559,13 @@ __device__ __forceinline__ LaneData load_message(const uint8_t* payload, long lo
 // is decompressed; whole items move through the warp's shared stage (coalesced loads and stores).
 // vec: out and out_stride allow 16-byte stores.
 // REQUANTIZE (with SUM): instead of storing the sum, round it to the output's type and compress it
-// into the packed message at out_ (two-shot all-reduce's reduced chunk, bound for the all-gather).
+// into the packed message at out_ (two-shot all-reduce's reduced chunk, bound for the all-gather);
+// with own_out (non-null), also write that message's decompression there (this rank's part of the
+// all-gather, from the values in registers: own_vec says 16-byte stores are allowed).
 template <bool SUM, bool REQUANTIZE = false>
 __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, long long numel, void* out_,
-                                                 long long out_stride, int vec, int own) {
+                                                 long long out_stride, int vec, int own, void* own_out_ = nullptr,
+                                                 int own_vec = 0) {
   using T = typename Storage<TACO_OUT>::T;
   constexpr int OUT_BYTES = E * sizeof(T);  // a lane's output bytes
   constexpr int STEPS = SUM ? TACO_NSRC : 1;  // messages per item
@@ -620,6 +623,24 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
       Payload q;
       float scale, pre;
       compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre);
+      if (own_out_ != nullptr) {  // grid-uniform
+        decompress_group(q, scale, pre, lane, acc);
+        T* own_out = static_cast<T*>(own_out_);
+        if (own_vec && item_first + ITEM <= numel) {  // warp-uniform: a whole item, coalesced
+          constexpr int N = 16 / sizeof(T);
+          uint4 pieces[OUT_BYTES / 16];
+#pragma unroll
+          for (int k = 0; k < OUT_BYTES / 16; ++k) {
+            Chunk<T> c;
+#pragma unroll
+            for (int r = 0; r < N; ++r) c.v[r] = from_float<TACO_OUT>(acc[k * N + r]);
+            pieces[k] = *reinterpret_cast<const uint4*>(&c);
+          }
+          store_staged<OUT_BYTES>(my_stage, pieces, reinterpret_cast<uint8_t*>(own_out + item_first), lane);
+        } else if (first < numel) {
+          store_lane<TACO_OUT>(own_out + first, first, numel, own_vec, acc);
+        }
+      }
     } else if (i == STEPS - 1) {
       T* dst = out + (SUM ? 0 : p0 * out_stride);
       if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
@@ -658,10 +679,11 @@ taco_sum(const __grid_constant__ Sources src, long long numel, void* out, int ve
   decompress_items<true>(src, TACO_NSRC, numel, out, 0, vec, own);
 }
 
-// taco_sum, then the sum (in the output's type) compressed into the packed message at buf.
+// taco_sum, then the sum (in the output's type) compressed into the packed message at buf (and,
+// with own_out, decompressed there: see decompress_items).
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_SUM)
 taco_sum_compress(const __grid_constant__ Sources src, long long numel, uint8_t* buf, int vec, int own,
-                  const __grid_constant__ Barrier bar) {
+                  void* own_out, int own_vec, const __grid_constant__ Barrier bar) {
   fused_barrier(bar);
-  decompress_items<true, true>(src, TACO_NSRC, numel, buf, 0, vec, own);
+  decompress_items<true, true>(src, TACO_NSRC, numel, buf, 0, vec, own, own_out, own_vec);
 }
