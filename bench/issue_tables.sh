@@ -26,6 +26,9 @@ case "$PART" in
     step taco-bandwidth 90 python bench/taco_bandwidth.py --gpus "$W" --mibs 1 2 4 8 16 32 64 128 256 \
       --codecs cuda cuda-fused --out-dir "$OUT"
     step taco-train 120 python bench/taco_train.py --gpus "$W" --backend device --out-dir "$OUT"
+    # step time where the GPU, not the host, bounds a step (the default model's step is host-bound)
+    step taco-train-4x4096 90 python bench/taco_train.py --gpus "$W" --backend device --layers 4 --hidden 4096 \
+      --heads 32 --steps 60 --out-dir "$OUT"
     step moe 120 python -m commweave.cli bench moe --gpus "$W" --out-dir "$OUT"
     step gemm-lossy 60 python bench/sweep.py gemm-allgather-lossy --gpus "$W" \
       --shapes 16384x4096x8192 8192x8192x8192 --grid compression=none,fp8_e4m3 --grid chunks=1,4

@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with WorkerPool(world, device="cpu" if on_cpu else "cuda", job_timeout_s=args.job_timeout, env=env) as pool:
         plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout, args.pieces)
     summary = summarize(plain, taco)
-    name = f"taco-train-{world}{'cpu' if on_cpu else 'gpu'}"
+    size = "" if (args.layers, args.hidden) == (6, 1024) else f"-{args.layers}x{args.hidden}"  # non-default: in the names
+    name = f"taco-train-{world}{'cpu' if on_cpu else 'gpu'}{size}"
     config = {"world": world, "device": "cpu" if on_cpu else "cuda", "backend": args.backend, "pieces": args.pieces,
               "dtype": args.dtype,
               "model": model, "train": train, "compression": "QuantConfig() forward and gradient, every TP layer",

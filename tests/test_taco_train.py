@@ -94,7 +94,7 @@ def test_tiny_run_both_modes_cli(tmp_path):
     """The script end to end (CLI, pool, both modes, results JSON, PNG) on 2 CPU ranks."""
     out = taco_train.main(["--cpu-ranks", "2", *TINY, "--steps", "8", "--out-dir", str(tmp_path)])
     record = json.loads(Path(out["results"]).read_text())
-    assert record["name"] == "taco-train-2cpu" and Path(out["plot"]).stat().st_size > 10_000
+    assert record["name"] == "taco-train-2cpu-2x64" and Path(out["plot"]).stat().st_size > 10_000
     assert record["config"]["model"]["layers"] == 2 and record["config"]["train"]["steps"] == 8
     assert record["config"]["dtype"] == "float32" and record["data"]["fingerprint"]
     plain, taco = record["plain"]["loss"], record["taco"]["loss"]
