@@ -288,12 +288,23 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor, barrier: FusedBarri
     return out
 
 
+def _only_raw(parts: Sequence[Compressed | torch.Tensor], barrier: FusedBarrier | None, what: str) -> bool:
+    """One raw tensor and no message: a one-rank sum (a barrier with peers would make no sense)."""
+    if len(parts) != 1 or isinstance(parts[0], Compressed):
+        return False
+    if barrier is not None and (barrier.signal or barrier.wait):
+        raise ValueError(f"{what}: a barrier with peers for a sum of this rank's own part alone")
+    return True
+
+
 def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor,
              barrier: FusedBarrier | None = None) -> torch.Tensor:
     """out = (sum over the parts of their FP32 decompressions, in order) cast to out's dtype: the
     reference's `decompress(parts[0]) + decompress(parts[1]) + ...` then `.to(dtype)`, in one launch
     (after `barrier` when given). One part may be a raw tensor of out's dtype (a reduce-scatter's own
-    chunk), added exactly."""
+    chunk), added exactly; alone (one rank), it is the sum."""
+    if _only_raw(parts, barrier, "sum_into"):
+        return out.copy_(parts[0].view(out.shape))
     cfg, numel, ptrs, own = _sources(parts, "sum_into", out.dtype)
     _check_result(parts, out, numel, "sum_into")
     if numel or barrier is not None:
@@ -310,7 +321,10 @@ def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.d
     given): two-shot all-reduce's requantization of its reduced chunk, with no round trip of that
     chunk through memory; with `own_out` (a contiguous `dtype` tensor of the chunk's size), also
     decompress(that message) written there (this rank's part of two-shot's all-gather). `cfg` must
-    be the messages' own (the kernel is specialised for one config)."""
+    be the messages' own (the kernel is specialised for one config). A raw part alone (one rank) is
+    the sum: it is compressed as it is."""
+    if _only_raw(parts, barrier, "sum_compress_into"):
+        return compress_into(parts[0].to(dtype).reshape(-1), cfg, buf, own_out=own_out)
     first = next((p for p in parts if isinstance(p, Compressed)), None)
     if first is not None and first.config != cfg:
         raise ValueError(f"sum_compress_into requantizes with the messages' config {first.config}, got {cfg}")

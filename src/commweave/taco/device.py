@@ -226,12 +226,12 @@ class PerMessageCodec:
                           buf: torch.Tensor, barrier: FusedBarrier | None = None,
                           own_out: torch.Tensor | None = None) -> None:
         _unfused(barrier)
-        first = next(p for p in parts if isinstance(p, Compressed))
-        reduced = torch.empty(first.shape, dtype=dtype, device=buf.device)
+        shape = parts[0].shape  # a message's, or the own part's (alone on one rank)
+        reduced = torch.empty(shape, dtype=dtype, device=buf.device)
         self.sum_into(parts, reduced)
         self.compress_one(reduced, cfg, buf)
         if own_out is not None:
-            self.decompress_one(packed_view(buf, first.shape, dtype, cfg), own_out)
+            self.decompress_one(packed_view(buf, reduced.shape, dtype, cfg), own_out)
 
 
 class ReferenceCodec(PerMessageCodec):
