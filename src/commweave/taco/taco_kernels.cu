@@ -153,6 +153,30 @@ __device__ __forceinline__ void unstage(uint8_t* stage, const uint4 (&raw)[LANE_
   __syncwarp();
 }
 
+// This lane's E values (elements item_first + 32 * lane .. of a message of numel) into out: a
+// whole item through the warp's stage (coalesced 16-byte stores) when `staged` and `vec`, else lane
+// by lane (16-byte stores where `vec` says out allows them). Partial items store nothing past numel.
+template <int CODE>
+__device__ __forceinline__ void store_item(typename Storage<CODE>::T* out, const float (&v)[E], uint8_t* stage,
+                                           long long item_first, long long numel, bool vec, bool staged, int lane) {
+  using T = typename Storage<CODE>::T;
+  constexpr int N = 16 / sizeof(T), BYTES = E * sizeof(T);
+  const long long first = item_first + lane * E;
+  if (staged && vec && item_first + ITEM <= numel) {  // warp-uniform
+    uint4 pieces[BYTES / 16];
+#pragma unroll
+    for (int k = 0; k < BYTES / 16; ++k) {
+      Chunk<T> c;
+#pragma unroll
+      for (int r = 0; r < N; ++r) c.v[r] = from_float<CODE>(v[k * N + r]);
+      pieces[k] = *reinterpret_cast<const uint4*>(&c);
+    }
+    store_staged<BYTES>(stage, pieces, reinterpret_cast<uint8_t*>(out + item_first), lane);
+  } else if (first < numel) {
+    store_lane<CODE>(out + first, first, numel, vec, v);
+  }
+}
+
 // -- per-group math (the reference's order) ---------------------------------------------------------
 
 // max |v| over the group (this lane's registers, then its group's lanes)
@@ -498,19 +522,7 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
     compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre);
     if (own_out != nullptr) {  // grid-uniform
       decompress_group(q, scale, pre, lane, v);
-      if (STAGE_OUT && own_vec && item_first + ITEM <= numel) {  // warp-uniform: a whole item, coalesced
-        uint4 pieces[P];
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-          Chunk<T> c;
-#pragma unroll
-          for (int r = 0; r < 16 / (int)sizeof(T); ++r) c.v[r] = from_float<TACO_IN>(v[k * (16 / sizeof(T)) + r]);
-          pieces[k] = *reinterpret_cast<const uint4*>(&c);
-        }
-        store_staged<LANE_BYTES>(out_stage[warp], pieces, reinterpret_cast<uint8_t*>(own_out + item_first), lane);
-      } else if (first < numel) {
-        store_lane<TACO_IN>(own_out + first, first, numel, own_vec, v);
-      }
+      store_item<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, STAGE_OUT, lane);
     }
     item = next;
   }
@@ -625,38 +637,10 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
       compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre);
       if (own_out_ != nullptr) {  // grid-uniform
         decompress_group(q, scale, pre, lane, acc);
-        T* own_out = static_cast<T*>(own_out_);
-        if (own_vec && item_first + ITEM <= numel) {  // warp-uniform: a whole item, coalesced
-          constexpr int N = 16 / sizeof(T);
-          uint4 pieces[OUT_BYTES / 16];
-#pragma unroll
-          for (int k = 0; k < OUT_BYTES / 16; ++k) {
-            Chunk<T> c;
-#pragma unroll
-            for (int r = 0; r < N; ++r) c.v[r] = from_float<TACO_OUT>(acc[k * N + r]);
-            pieces[k] = *reinterpret_cast<const uint4*>(&c);
-          }
-          store_staged<OUT_BYTES>(my_stage, pieces, reinterpret_cast<uint8_t*>(own_out + item_first), lane);
-        } else if (first < numel) {
-          store_lane<TACO_OUT>(own_out + first, first, numel, own_vec, acc);
-        }
+        store_item<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, true, lane);
       }
     } else if (i == STEPS - 1) {
-      T* dst = out + (SUM ? 0 : p0 * out_stride);
-      if (vec && item_first + ITEM <= numel) {  // whole item of output: coalesced through the stage
-        constexpr int N = 16 / sizeof(T);
-        uint4 pieces[OUT_BYTES / 16];
-#pragma unroll
-        for (int k = 0; k < OUT_BYTES / 16; ++k) {
-          Chunk<T> c;
-#pragma unroll
-          for (int r = 0; r < N; ++r) c.v[r] = from_float<TACO_OUT>(acc[k * N + r]);
-          pieces[k] = *reinterpret_cast<const uint4*>(&c);
-        }
-        store_staged<OUT_BYTES>(my_stage, pieces, reinterpret_cast<uint8_t*>(dst + item_first), lane);
-      } else if (first / G < groups) {
-        store_lane<TACO_OUT>(dst + first, first, numel, vec, acc);
-      }
+      store_item<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, true, lane);
     }
     item = next_item;
     i = next_i;
