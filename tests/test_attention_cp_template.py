@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from commweave.evaluate.program import load_program, parse_program
+from commweave.evaluate.program import load_program
 from commweave.search.proposer import Memory, OfflineProposer
-from commweave.space import directives_of
 from commweave.space.template import program_body
 from commweave.workloads.attention_cp.template import make_template
+from template_samples import renderable_samples
 
 TEMPLATE = make_template()
 SHAPE = TEMPLATE.default_shape(4)  # 32k tokens, 32/8 heads, D 128, full: 8192 rows a rank
@@ -64,17 +64,8 @@ def test_direction_picks_the_program_and_chunk_bytes_become_pieces():
 
 
 def test_rendered_sample_parses_and_carries_its_directives():
-    values = TEMPLATE.dimension_values(4)
-    rng = random.Random(3)
     rendered = {"push": 0, "pull": 0}
-    for _ in range(80):
-        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()})
-        if TEMPLATE.check(ds, 4):
-            continue
-        text = TEMPLATE.render(ds, SHAPE, 4)
-        parse_program(text)
-        assert directives_of(text) == ds
-        config = load_program(text).CONFIG
+    for ds, _, config in renderable_samples(TEMPLATE, SHAPE, 4, seed=3, tries=80):
         assert config["comm_ctas"] == ds.comm_ctas and config["backend"] == ds.knob_dict["block_kernel"]
         if ds.knob_dict["direction"] == "pull":
             assert config["chunks"] == TEMPLATE.pieces(ds, SHAPE, 4) and config["slots"] == ds.knob_dict["slots"]

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from commweave.evaluate.program import load_program, parse_program
-from commweave.space import directives_of
+from commweave.evaluate.program import load_program
 from commweave.space.template import program_body
 from commweave.workloads.kv_transfer.template import make_template
+from template_samples import renderable_samples
 
 TEMPLATE = make_template()
 SHAPE = TEMPLATE.default_shape(4)
@@ -69,17 +67,8 @@ def test_comm_ctas_set_the_knob_of_the_shape():
 
 
 def test_rendered_sample_parses_and_carries_its_directives():
-    values = TEMPLATE.dimension_values(4)
-    rng = random.Random(5)
     rendered = 0
-    for _ in range(40):
-        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()})
-        if TEMPLATE.check(ds, 4):
-            continue
-        text = TEMPLATE.render(ds, SHAPE, 4)
-        parse_program(text)
-        assert directives_of(text) == ds
-        config = load_program(text).CONFIG
+    for ds, _, config in renderable_samples(TEMPLATE, SHAPE, 4, seed=5, tries=40):
         comm = "pull_ctas" if ds.knob_dict["prefill_mode"] == "pull" else "prefill_ctas"
         assert config[comm] == ds.comm_ctas and config["layers_per_launch"] == TEMPLATE.layers_per_launch(ds, SHAPE)
         assert all(config[k] == v for k, v in ds.knobs)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from commweave.evaluate.program import load_program, parse_program
 from commweave.space import Capabilities, DirectiveSet, Space, directives_of, filter_capable
 from commweave.workloads.gemm_allgather.template import MAX_CHUNKS, make_template
+from template_samples import renderable_samples
 
 SPACE = Space(tolerance=0.1)
 
@@ -161,22 +160,12 @@ def test_chunk_bytes_become_chunks_per_shard():
 def test_rendered_sample_parses_carries_its_directives_and_compiles():
     from commweave.runtime.compile import compile_cubin
 
-    values = TEMPLATE.dimension_values(4)
-    rng = random.Random(3)
     sources = set()
-    for _ in range(12):
-        # (compression stays none: gemm-allgather's tolerance admits none; the lossy variant's test renders it)
-        ds = TEMPLATE.seed_directives().with_(**{d: rng.choice(v) for d, v in values.items()
-                                                 if d not in ("compression", "group_size")})
-        if TEMPLATE.check(ds, 4):
-            continue
-        text = TEMPLATE.render(ds, SHAPE, 4)
-        parsed = parse_program(text)
-        assert directives_of(text) == ds
-        config = load_program(text).CONFIG
+    # (compression stays none: gemm-allgather's tolerance admits none; the lossy variant's test renders it)
+    for ds, text, config in renderable_samples(TEMPLATE, SHAPE, 4, seed=3, tries=12, fixed=("compression", "group_size")):
         assert config["comm_ctas"] == ds.comm_ctas and config["chunks"] == TEMPLATE.chunks_for(ds, SHAPE, 4)
         assert all(config[k] == v for k, v in ds.knobs)
-        sources.update(parsed.cuda_sources.values())
+        sources.update(parse_program(text).cuda_sources.values())
     assert sources
     for source in sources:
         assert compile_cubin(source).path.exists()
