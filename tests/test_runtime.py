@@ -95,6 +95,7 @@ def test_launch_hands_the_driver_each_arguments_bytes(monkeypatch):
     monkeypatch.setattr(launch, "_check", lambda result, call: None)
     kernel = launch.Kernel.__new__(launch.Kernel)
     kernel.function, kernel.name, kernel.param_sizes = None, "k", [64, 4, 8, 1, 8, 2, 136, 4]
+    kernel._layout()
     t = torch.empty(3)
     args = [(ctypes.c_uint64 * 8)(*range(8)), -7, 1 << 40, True, t, ctypes.c_uint16(9),
             (ctypes.c_uint64 * 17)(*range(100, 117)), 2.5]
@@ -102,6 +103,12 @@ def test_launch_hands_the_driver_each_arguments_bytes(monkeypatch):
     assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
     assert seen["args"][1] == struct.pack("<i", -7) and seen["args"][4] == struct.pack("<Q", t.data_ptr())
     assert seen["grid"] == (3, 2, 1) and seen["block"] == (128, 1, 1)
+    # the argument buffer is reused: a second launch's bytes replace the first's
+    args2 = [bytes(range(64)), 5, 7, False, t, ctypes.c_uint16(1), bytes(136), 0.5]
+    kernel.launch(4, 32, args2, stream=Stream())
+    assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args2, kernel.param_sizes))]
+    with pytest.raises(LaunchError, match="takes 8 arguments, got 7"):
+        kernel.launch(1, 1, args2[:7], stream=Stream())
 
 
 def test_sticky_cuda_errors_are_recognised():

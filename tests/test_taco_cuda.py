@@ -123,6 +123,22 @@ def test_bad_arguments_are_refused_before_any_launch():
         cuda.sum_into([packed], torch.empty(x.numel()))
 
 
+def test_a_message_layout_is_checked_once_and_again_when_its_tensors_change():
+    """A packed view's layout check is remembered on the view (the collectives pass the same views
+    every call); replacing one of its tensors makes the next use check it again."""
+    cfg = QuantConfig()
+    buf = torch.empty(cfg.wire_bytes(1024) + 16, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 16
+    packed = quant.packed_view(buf[start:start + cfg.wire_bytes(1024)], (1024,), torch.float32, cfg)
+    assert packed.packed_check is None
+    address = cuda._packed_address(packed)
+    assert address == packed.payload.data_ptr() and packed.packed_check[4] == address
+    assert cuda._packed_address(packed) == address
+    packed.scale = packed.scale.clone()  # no longer right after the payload
+    with pytest.raises(ValueError, match="packed messages"):
+        cuda._packed_address(packed)
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -27,6 +27,22 @@ def test_group_size_must_be_a_power_of_two_in_range(bad):
         QuantConfig(group_size=bad)
 
 
+def test_a_config_keeps_its_hash_through_pickling_and_replace():
+    """The hash is computed once per config; a pickled or replaced config gets its own, equal to a
+    fresh equal config's (the pickled one must not carry the other process's hash of a dtype)."""
+    import dataclasses
+    import pickle
+
+    cfg = QuantConfig(64, "e5m2", hadamard="adaptive", transform_input_dtype=torch.bfloat16)
+    same = QuantConfig(64, "e5m2", hadamard="adaptive", transform_input_dtype=torch.bfloat16)
+    assert hash(cfg) == hash(same) and {cfg: 1}[same] == 1
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back == cfg and hash(back) == hash(cfg) and "_hash" not in pickle.dumps(cfg).decode("latin-1")
+    assert dataclasses.replace(cfg, fmt="e4m3") == QuantConfig(64, "e4m3", "adaptive", transform_input_dtype=torch.bfloat16)
+    assert hash(dataclasses.replace(cfg, fmt="e4m3")) == hash(QuantConfig(64, "e4m3", "adaptive",
+                                                                          transform_input_dtype=torch.bfloat16))
+
+
 def test_bad_format_and_transform_dtype_are_rejected():
     for bad in (1, 1.0, "yes", None):
         with pytest.raises(ValueError, match="hadamard"):

@@ -17,7 +17,6 @@ is kept until `close()`: a model whose shapes vary call to call pays a setup for
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import types
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from commweave.evaluate.program import load_program, parse_program, unavailable_reason
 from commweave.ops.exported import export_info
 from commweave.runtime.context import RankContext
+from commweave.runtime.launch import on_device
 from commweave.workloads import Shape, Workload, get_workload
 
 #: a program: None (the workload's seed), one of its program names, or a program file's path
@@ -147,7 +147,7 @@ class Op:
             _check_out(out, wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta")), ctx.device)
         if getattr(wl, "symmetric_output", False) and ctx.is_cuda:
             _check_symmetric(ctx, wl, out)
-        with torch.cuda.device(ctx.device) if ctx.is_cuda else contextlib.nullcontext():
+        with on_device(ctx.device):
             module = self._resolve(ctx)
             state = self._state(ctx, module, shape)
             if out is None:

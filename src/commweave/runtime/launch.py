@@ -9,14 +9,47 @@ against the compiled signature instead of trusted, and it passes an opaque struc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import struct
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from commweave.runtime.nccl import DevComm, Window
+
+
+def current_stream_handle() -> int:
+    """The raw handle of torch's current stream on the current device, as
+    `torch.cuda.current_stream().cuda_stream` gives it but without building a Stream object and
+    resolving the device through Python (~10 µs a call on the GPU machine's host, paid by every
+    launch of a per-call collective)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # a torch without CUDA: the public path (it raises the usual error)
+        return torch.cuda.current_stream().cuda_stream
+    return raw(torch._C._cuda_getDevice())
+
+
+def on_device(device: Any) -> contextlib.AbstractContextManager:
+    """`torch.cuda.device(device)` for a CUDA device (a torch.device or an index) that is not the
+    current one; nothing otherwise (CPU, or already current: the usual case, one GPU per process),
+    which spares a per-call collective torch's Python device resolution (~10 µs on the GPU machine)."""
+    import torch
+
+    if isinstance(device, int):
+        index = device
+    elif device.type == "cuda":
+        index = device.index
+    else:
+        return contextlib.nullcontext()
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    if index is not None and get is not None and get() == index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 class LaunchError(RuntimeError):
@@ -45,7 +78,7 @@ def pack_argument(value: Any, size: int, index: int, kernel: str) -> bytes:
     """One kernel argument as the bytes the kernel's parameter of `size` bytes expects.
 
     Tensors and windows become 8-byte addresses, a DevComm its whole struct; Python ints and floats
-    take the parameter's width; ctypes and numpy scalars must already have it.
+    take the parameter's width; ctypes values, bytes and numpy scalars must already have it.
     """
     if type(value) is int and size in (1, 2, 4, 8):  # the common case first: launches are per call
         try:
@@ -76,7 +109,7 @@ def pack_argument(value: Any, size: int, index: int, kernel: str) -> bytes:
             raw = struct.pack("<d", value)
         else:
             raise LaunchError(f"{where} is a float but the parameter has {size} bytes")
-    elif isinstance(value, ctypes._SimpleCData | ctypes.Structure | ctypes.Array):
+    elif isinstance(value, ctypes._SimpleCData | ctypes.Structure | ctypes.Array | bytes):
         raw = bytes(value)
     elif hasattr(value, "tobytes") and hasattr(value, "dtype"):  # numpy scalar
         raw = value.tobytes()
@@ -94,6 +127,7 @@ class Kernel:
         self.function = function
         self.name = name
         self.param_sizes = self._param_sizes()
+        self._layout()
 
     def _param_sizes(self) -> list[int]:
         drv = _driver()
@@ -104,6 +138,20 @@ class Kernel:
                 return sizes
             sizes.append(size)
 
+    def _layout(self) -> None:
+        """Every argument's bytes go into one buffer made once per kernel, each at an 8-byte
+        aligned slot, with the driver's array of pointers into it: the driver copies the arguments
+        when the launch is queued, so the buffer is reused (a launch is paid per call by the
+        collectives; building both per launch was a third of its host time)."""
+        slots = [-(-size // 8) * 8 for size in self.param_sizes]
+        self._padding = [b"\0" * (n - size) for n, size in zip(slots, self.param_sizes)]
+        self._blob = ctypes.create_string_buffer(max(sum(slots), 1))
+        base = ctypes.addressof(self._blob)
+        offsets = itertools.accumulate([0, *slots[:-1]])
+        self._pointers = (ctypes.c_void_p * max(1, len(slots)))(*[base + o for o in offsets])
+        self._pointers_address = ctypes.addressof(self._pointers)
+        self._lock = threading.Lock()  # one launch at a time fills the shared buffer
+
     def set_max_dynamic_shared_memory(self, nbytes: int) -> None:
         drv = _driver()
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -112,24 +160,19 @@ class Kernel:
     def launch(self, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
                stream: Any = None, shared_mem: int = 0) -> None:
         """Launch on `stream` (a torch.cuda.Stream; default: torch's current stream)."""
-        import torch
-
-        if len(args) != len(self.param_sizes):
-            raise LaunchError(f"{self.name} takes {len(self.param_sizes)} arguments, got {len(args)}")
-        packed = [pack_argument(a, s, i, self.name) for i, (a, s) in enumerate(zip(args, self.param_sizes))]
-        # every argument's bytes in one buffer, each at an 8-byte aligned offset; the driver reads
-        # param_sizes[i] bytes at pointers[i] (one allocation a launch instead of one per argument)
-        slots = [-(-len(raw) // 8) * 8 for raw in packed]
-        blob = ctypes.create_string_buffer(b"".join(raw.ljust(n, b"\0") for raw, n in zip(packed, slots)),
-                                           max(sum(slots), 1))
-        base = ctypes.addressof(blob)
-        pointers = (ctypes.c_void_p * max(1, len(packed)))(*[base + o for o in itertools.accumulate([0, *slots[:-1]])])
+        sizes = self.param_sizes
+        if len(args) != len(sizes):
+            raise LaunchError(f"{self.name} takes {len(sizes)} arguments, got {len(args)}")
+        packed = b"".join([part for i, (a, size, pad) in enumerate(zip(args, sizes, self._padding))
+                           for part in (pack_argument(a, size, i, self.name), pad)])
         g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         b = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
-        stream = stream if stream is not None else torch.cuda.current_stream()
+        handle = stream.cuda_stream if stream is not None else current_stream_handle()
         drv = _driver()
-        _check(drv.cuLaunchKernel(self.function, *g, *b, shared_mem, drv.CUstream(stream.cuda_stream),
-                                  ctypes.addressof(pointers), 0), f"cuLaunchKernel({self.name})")
+        with self._lock:
+            ctypes.memmove(self._blob, packed, len(packed))
+            _check(drv.cuLaunchKernel(self.function, *g, *b, shared_mem, drv.CUstream(handle),
+                                      self._pointers_address, 0), f"cuLaunchKernel({self.name})")
 
     __call__ = launch
 
@@ -167,11 +210,9 @@ def stream_write(address: int, value: int, stream: Any = None) -> None:
 
     A stream memory operation with the default memory barrier, so a peer that sees the value
     (`stream_wait_geq`) also sees the data earlier copies on this stream wrote. No kernel, no SM."""
-    import torch
-
     drv = _driver()
-    stream = stream if stream is not None else torch.cuda.current_stream()
-    _check(drv.cuStreamWriteValue64(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(address), drv.cuuint64_t(value),
+    handle = stream.cuda_stream if stream is not None else current_stream_handle()
+    _check(drv.cuStreamWriteValue64(drv.CUstream(handle), drv.CUdeviceptr(address), drv.cuuint64_t(value),
                                     int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)), "cuStreamWriteValue64")
 
 
@@ -180,10 +221,8 @@ def stream_wait_geq(address: int, value: int, stream: Any = None) -> None:
 
     A stream memory operation: the GPU's front end waits, no kernel launch and no SM is taken, so
     a GEMM queued behind it starts as soon as a peer's flag arrives."""
-    import torch
-
     drv = _driver()
-    stream = stream if stream is not None else torch.cuda.current_stream()
+    handle = stream.cuda_stream if stream is not None else current_stream_handle()
     geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    _check(drv.cuStreamWaitValue64(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(address), drv.cuuint64_t(value),
+    _check(drv.cuStreamWaitValue64(drv.CUstream(handle), drv.CUdeviceptr(address), drv.cuuint64_t(value),
                                    int(geq)), "cuStreamWaitValue64")

@@ -16,7 +16,6 @@ by `runtime.compile` on first use (disk-cached) and loaded once per device.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import struct
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from commweave.runtime.launch import on_device
 from commweave.taco.quant import Compressed, QuantConfig, pack, packed_view
 
 SOURCE = Path(__file__).with_name("taco_kernels.cu")
@@ -58,14 +58,18 @@ class FusedBarrier:
                              f"got {len(self.signal)} / {len(self.wait)} and epoch {self.epoch}")
 
 
-def _barrier_arg(barrier: FusedBarrier | None) -> ctypes.Array:
+def _barrier_arg(barrier: FusedBarrier | None) -> bytes:
     """The kernels' `Barrier` parameter: 8 signal addresses, 8 wait addresses, the epoch (0: none)."""
-    words = (ctypes.c_uint64 * (2 * MAX_SOURCES + 1))()
-    if barrier is not None:
-        words[:len(barrier.signal)] = barrier.signal
-        words[MAX_SOURCES:MAX_SOURCES + len(barrier.wait)] = barrier.wait
-        words[2 * MAX_SOURCES] = barrier.epoch
-    return words
+    if barrier is None:
+        return _NO_BARRIER
+    signal = [*barrier.signal, *[0] * (MAX_SOURCES - len(barrier.signal))]
+    wait = [*barrier.wait, *[0] * (MAX_SOURCES - len(barrier.wait))]
+    return _BARRIER.pack(*signal, *wait, barrier.epoch)
+
+
+_BARRIER = struct.Struct(f"<{2 * MAX_SOURCES + 1}Q")
+_NO_BARRIER = bytes(_BARRIER.size)
+_SOURCES = struct.Struct(f"<{MAX_SOURCES}Q")  # the kernels' `Sources` parameter: one address per message
 
 
 def _min_blocks(kernel: str, cfg: QuantConfig) -> int:
@@ -113,7 +117,7 @@ def _launch(device: torch.device, source: str, name: str, warp_items: int, args:
         raise ValueError(f"the CUDA kernels need CUDA tensors, got {device} (use impl='reference' or the Triton kernels)")
     index = device.index if device.index is not None else torch.cuda.current_device()
     grid = _grid(index, warp_items)
-    with torch.cuda.device(index):
+    with on_device(index):
         _module(index, source).kernel(name)(grid if max_blocks is None else min(grid, max_blocks), THREADS, args)
 
 
@@ -202,7 +206,11 @@ def compress(x: torch.Tensor, cfg: QuantConfig | None = None) -> Compressed:
 
 def _packed_address(c: Compressed) -> int:
     """The packed message's first byte; refuses a Compressed whose tensors are not `pack`'s layout
-    in one buffer (the kernels find the scales from the payload's address)."""
+    in one buffer (the kernels find the scales from the payload's address). Checked once per
+    message object (`Compressed.packed_check`) while its tensors stay the same."""
+    done = c.packed_check
+    if done is not None and done[0] is c.payload and done[1] is c.scale and done[2] is c.pre_scale and done[3] is c.config:
+        return done[4]
     cfg = c.config
     groups = c.num_groups
     if c.payload.dtype != cfg.fp8_dtype or tuple(c.payload.shape) != (groups, cfg.group_size):
@@ -221,11 +229,12 @@ def _packed_address(c: Compressed) -> int:
     if base % 16:
         raise ValueError(f"a packed message must start at a 16-byte aligned address (the kernels load 16 bytes at a "
                          f"time), this one is at {base % 16} past one")
+    c.packed_check = (c.payload, c.scale, c.pre_scale, c.config, base)
     return base
 
 
 def _sources(parts: Sequence[Compressed | torch.Tensor], what: str,
-             dtype: torch.dtype) -> tuple[QuantConfig, int, ctypes.Array, int]:
+             dtype: torch.dtype) -> tuple[QuantConfig, int, bytes, int]:
     """Checks the parts against the result's dtype: their config, elements per message, addresses,
     and the index of the one raw tensor part (-1: none)."""
     if not 1 <= len(parts) <= MAX_SOURCES:
@@ -236,8 +245,8 @@ def _sources(parts: Sequence[Compressed | torch.Tensor], what: str,
         raise ValueError(f"{what} takes packed messages and at most one raw tensor (a rank's own chunk), got "
                          f"{len(cs)} messages and {len(own)} tensors")
     cfg, numel = cs[0].config, cs[0].numel
-    for c in cs:
-        if c.config != cfg or c.numel != numel:
+    for c in cs[1:]:
+        if (c.config is not cfg and c.config != cfg) or (c.shape != cs[0].shape and c.numel != numel):
             raise ValueError(f"{what}: every message must have the same config and size, got {c.config}/{c.numel} "
                              f"and {cfg}/{numel}")
     addresses = [p.data_ptr() if i in own else _packed_address(p) for i, p in enumerate(parts)]
@@ -248,7 +257,7 @@ def _sources(parts: Sequence[Compressed | torch.Tensor], what: str,
         if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(f"{what}: the raw part must be a contiguous {dtype} tensor of {numel} elements, got "
                              f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    return cfg, numel, (ctypes.c_uint64 * MAX_SOURCES)(*addresses), own[0] if own else -1
+    return cfg, numel, _SOURCES.pack(*addresses, *[0] * (MAX_SOURCES - len(addresses))), own[0] if own else -1
 
 
 def _check_result(parts: Sequence[Compressed | torch.Tensor], result: torch.Tensor, numel: int, what: str) -> None:

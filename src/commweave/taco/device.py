@@ -78,6 +78,7 @@ from typing import Any, ContextManager, Hashable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from commweave.runtime.launch import current_stream_handle, on_device
 from commweave.taco.collectives import AllReduceAlgo, register_backend
 from commweave.taco.cuda import FusedBarrier
 from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack, packed_view
@@ -489,7 +490,8 @@ class DeviceCollectives:
             return out
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
-        padded = torch.nn.functional.pad(flat, (0, per_rank * world - flat.numel())).view(world, per_rank)
+        short = per_rank * world - flat.numel()  # padding to whole groups per rank (a copy only when needed)
+        padded = (torch.nn.functional.pad(flat, (0, short)) if short else flat).view(world, per_rank)
         n, piece = self.plan(per_rank)  # the same pieces in both phases
         stride, wire = cfg.packed_stride(piece), cfg.wire_bytes(piece)
         phase2: dict[str, Any] = {}
@@ -555,15 +557,18 @@ class WindowTransport:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
         self._buffers: dict[Hashable, torch.Tensor] = {}
         self._peers: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._stream: torch.cuda.Stream | None = None
+        self._stream: torch.cuda.Stream | None = None  # the stream of the last call, and its raw handle
+        self._stream_handle: int | None = None
         self._flags: torch.Tensor | None = None  # [W, FLAG_SLOTS + 1] int64: [source][slot] = its last epoch
         self._flag_peers: list[int] = []  # each rank's flags' address, as mapped here
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
-        stream = torch.cuda.current_stream(self.device)
-        if self._stream is not None and stream != self._stream:
-            stream.wait_stream(self._stream)  # the previous call's reads of our windows come first
-        self._stream = stream
+        handle = current_stream_handle()  # the collectives run with the context's device current
+        if handle != self._stream_handle:
+            stream = torch.cuda.current_stream(self.device)
+            if self._stream is not None:
+                stream.wait_stream(self._stream)  # the previous call's reads of our windows come first
+            self._stream, self._stream_handle = stream, handle
         if key not in self._buffers:
             self._buffers[key] = self.ctx.symmetric(nbytes, torch.uint8, zero=False)  # collective
         return self._buffers[key]
@@ -685,17 +690,17 @@ class DeviceBackend:
 
     def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
         coll = self.collectives(x, group)
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             return coll.all_gather(x.contiguous(), cfg)
 
     def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig, group: Any = None) -> torch.Tensor:
         coll = self.collectives(x, group)
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             return coll.reduce_scatter(x.contiguous(), cfg)
 
     def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo, group: Any = None) -> torch.Tensor:
         coll = self.collectives(x, group)
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             return coll.all_reduce(x.contiguous(), cfg, algorithm)
 
     def close(self) -> None:

@@ -43,7 +43,6 @@ FP32 pre-scales) straight into a uint8 buffer, e.g. a symmetric window; `compres
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -51,6 +50,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from commweave.runtime.launch import on_device
 from commweave.taco.quant import Compressed, QuantConfig, packed_view
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -237,11 +237,6 @@ def _check_device(device: torch.device) -> None:
     raise ValueError(f"the Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}")
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager:
-    """Launch on the tensor's GPU, whatever the current device is."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _rows(cfg: QuantConfig, n_groups: int, device: torch.device) -> int:
     per_tile = max(1, _TILE_ELEMENTS.get(device.type, 2048) // cfg.group_size)
     return max(1, min(per_tile, triton.next_power_of_2(max(1, n_groups))))
@@ -278,7 +273,7 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, round_in
     payload, scale, pre = c.payload, c.scale, c.pre_scale
     rows = _rows(cfg, n_groups, x.device)
     cast = cfg.transform_input_dtype
-    with _on(x.device):
+    with on_device(x.device):
         _compress_kernel[(triton.cdiv(n_groups, rows),)](
             x.contiguous(), payload, scale, scale if pre is None else pre, numel, n_groups,
             G=cfg.group_size, LOG_G=cfg.group_size.bit_length() - 1, FWHT_SCALE=1.0 / math.sqrt(cfg.group_size), ROWS=rows, FP8_MAX=cfg.fp8_max, TINY=_TINY,
@@ -317,7 +312,7 @@ def _launch_decompress(c: Compressed, out: torch.Tensor, accumulate: bool, round
     rows = _rows(cfg, n_groups, out.device)
     scale = c.scale.contiguous()
     pre = scale if c.pre_scale is None else c.pre_scale.contiguous()
-    with _on(out.device):
+    with on_device(out.device):
         _decompress_kernel[(triton.cdiv(n_groups, rows),)](
             c.payload.contiguous(), scale, pre, out, c.numel, n_groups,
             G=cfg.group_size, LOG_G=cfg.group_size.bit_length() - 1, FWHT_SCALE=1.0 / math.sqrt(cfg.group_size), ROWS=rows, DUAL=cfg.dual_scale,

@@ -57,7 +57,7 @@ tensors only under TRITON_INTERPRET=1, Triton's interpreter); the reference stay
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -91,6 +91,18 @@ class QuantConfig:
             raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {self.fmt!r}")
         if self.transform_input_dtype not in TRANSFORM_INPUT_DTYPES:
             raise ValueError(f"transform_input_dtype must be one of {TRANSFORM_INPUT_DTYPES}, got {self.transform_input_dtype}")
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def _fields(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __hash__(self) -> int:
+        """Computed once: a config keys the collectives' buffers and kernels, ~10 lookups a call."""
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Pickled as its fields: the cached hash (of a dtype, a str) is only valid in this process."""
+        return type(self), self._fields()
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -130,6 +142,10 @@ class Compressed:
     shape: torch.Size
     dtype: torch.dtype
     config: QuantConfig
+    # (payload, scale, pre_scale, config, address) once the CUDA kernels checked that the tensors are
+    # one packed message at `address` (cuda._packed_address); the collectives read the same cached
+    # views every call, so the check is done once per view, not per call
+    packed_check: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
