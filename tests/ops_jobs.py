@@ -21,8 +21,8 @@ def _call(wl: Workload, shape: Shape, inputs: dict[str, torch.Tensor], out: torc
     """The workload's public op on `inputs` (named as in make_inputs)."""
     if wl.name == "gemm-allgather":
         return ops.gemm_allgather(inputs["a"], inputs["b"], program=program)
-    if wl.name == "gemm-allgather-lossy":  # no function of its own: the generic op by workload name
-        return ops.op(wl.name, program)(a=inputs["a"], b=inputs["b"])
+    if wl.name in ("gemm-allgather-lossy", "moe-lossy"):  # no function of their own: the generic op by name
+        return ops.op(wl.name, program)(**inputs)
     if wl.name == "attention-cp":
         return ops.context_parallel_attention(inputs["q"], inputs["k"], inputs["v"], causal=bool(shape["CAUSAL"]),
                                               program=program)

@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_host import run_host_check, toolchain_or_skip
+from cuda_host import nvcc_host_build, run_host_check, toolchain_or_skip
 from program_jobs import check_on_gpus
 from commweave.evaluate.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.workloads.moe import routing
-from commweave.workloads.moe.workload import MoELayer
+from commweave.taco.quant import QuantConfig, roundtrip
+from commweave.workloads.moe.workload import MoELayer, MoELayerLossy
 
 CPU = torch.device("cpu")
 PROGRAMS = ("host", "host_padded", "seed")
@@ -281,9 +282,14 @@ def test_expert_major_bases_match_kernel_formula() -> None:
 
 
 # -- the seed's data flow, replayed on CPU ---------------------------------------------------------
-def _simulate_seed(wl: MoELayer, shape, world: int, seed: int) -> list[torch.Tensor]:
-    """Dispatch, experts and combine as the seed's kernels do them, with plain tensors per rank."""
+def _simulate_seed(wl: MoELayer, shape, world: int, seed: int, fp8: QuantConfig | None = None) -> list[torch.Tensor]:
+    """Dispatch, experts and combine as the seed's kernels do them, with plain tensors per rank;
+    with `fp8` (CONFIG compression), every token row arrives as taco.quant's round trip of the row
+    alone (its own message, as the seed's compress kernel packs it and moe_dequant unpacks it)."""
     inputs = [wl.make_inputs(shape, world, r, seed, CPU) for r in range(world)]
+    if fp8 is not None:
+        for rank_inputs in inputs:
+            rank_inputs["x"] = torch.stack([roundtrip(row, fp8) for row in rank_inputs["x"]])
     tokens, hidden, top_k, n_experts = shape["T"], shape["H"], shape["K"], shape["E"]
     per_rank = n_experts // world
     pool_rows = world * routing.pool_rows_per_source(tokens, top_k)
@@ -330,6 +336,74 @@ def test_seed_dataflow_on_cpu(wl: MoELayer, world: int, which: int) -> None:
         ref = wl.reference(shape, world, rank, 4, CPU)
         err = float((out.float() - ref).norm() / ref.norm())
         assert err < wl.tolerance(), f"{shape} W={world} rank {rank}: {err:.3g}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_seed_fp8_dispatch_dataflow_on_cpu(world: int) -> None:
+    """FP8 E4M3 dispatch (one scale per 32 or 128 values; H = 136 pads the last group of a row) stays
+    within moe-lossy's declared tolerance and above moe's, on every check shape; E5M2 does not."""
+    lossy = MoELayerLossy()
+    for which, group in ((0, 128), (1, 128), (2, 32)):
+        shape = lossy.check_shapes(world)[which]
+        cfg = QuantConfig(group, "e4m3", hadamard=False, dual_scale=False)
+        for rank, out in enumerate(_simulate_seed(lossy, shape, world, seed=5, fp8=cfg)):
+            ref = lossy.reference(shape, world, rank, 5, CPU)
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert MoELayer().tolerance() < err < lossy.tolerance(), f"{shape} W={world} rank {rank}: {err:.3g}"
+    shape = lossy.check_shapes(world)[1]
+    out = _simulate_seed(lossy, shape, world, seed=5, fp8=QuantConfig(128, "e5m2", hadamard=False, dual_scale=False))[0]
+    ref = lossy.reference(shape, world, 0, 5, CPU)
+    assert float((out.float() - ref).norm() / ref.norm()) > lossy.tolerance()
+
+
+# The seed's moe_dequant_unit compiled for the host: every byte of both formats, several scales
+# (1, a fraction, FP32's smallest normal, a large one), printed as bf16 bits for the test to compare
+# with taco.quant.decompress's arithmetic (`payload.float() * scale`, then bf16).
+DEQUANT_MAIN = r"""
+#include <cstdio>
+#include <cstring>
+
+int main() {
+  const float scales[] = {1.0f, 0.0037f, 1.17549435e-38f, 2.5e5f};
+  for (int fmt = 0; fmt < 2; fmt++)
+  for (int s = 0; s < 4; s++)
+  for (int first = 0; first < 256; first += 8) {
+    unsigned char bytes[8];
+    for (int k = 0; k < 8; k++) bytes[k] = (unsigned char)(first + k);
+    uint2 q;
+    memcpy(&q, bytes, 8);
+    uint4 out = moe_dequant_unit(q, scales[s], fmt);
+    unsigned short bits[8];
+    memcpy(bits, &out, 16);
+    for (int k = 0; k < 8; k++) printf("%d %d %d %04x\n", fmt, s, first + k, bits[k]);
+  }
+  return 0;
+}
+"""
+
+
+def test_seed_dequant_matches_taco_decompress_on_host(wl: MoELayer, tmp_path: Path) -> None:
+    """moe_dequant's arithmetic gives taco.quant.decompress's bits for every finite FP8 value."""
+    import subprocess
+
+    source = parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"]
+    build = nvcc_host_build(source + DEQUANT_MAIN, tmp_path, "dequant_check", "-O2")
+    assert build.returncode == 0, build.stdout + build.stderr
+    lines = subprocess.run([str(tmp_path / "dequant_check")], capture_output=True, text=True, check=True).stdout.split()
+    scales = torch.tensor([1.0, 0.0037, 1.17549435e-38, 2.5e5], dtype=torch.float32)
+    compared = 0
+    for fmt, dtype in enumerate((torch.float8_e4m3fn, torch.float8_e5m2)):
+        values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        for s, scale in enumerate(scales):
+            want = (values * scale).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+            for byte in range(256):
+                f, si, b, bits = lines[4 * (fmt * 4 * 256 + s * 256 + byte):][:4]
+                assert (int(f), int(si), int(b)) == (fmt, s, byte)
+                if not torch.isfinite(values[byte] * scale):
+                    continue  # NaN / Inf bytes: the compressor never writes them (it saturates)
+                assert int(bits, 16) == int(want[byte]), (fmt, float(scale), byte, bits, hex(int(want[byte])))
+                compared += 1
+    assert compared > 1900
 
 
 # -- shapes ---------------------------------------------------------------------------------------
@@ -458,7 +532,7 @@ def test_seed_cuda_compiles(wl: MoELayer) -> None:
     toolchain_or_skip()
     artifact = compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"])
     assert artifact.path.exists()
-    for kernel in ("moe_dispatch", "moe_swiglu", "moe_combine", "moe_wait"):
+    for kernel in ("moe_dispatch", "moe_swiglu", "moe_combine", "moe_wait", "moe_dequant"):
         assert f"'{kernel}'" in artifact.log
     assert set(re.findall(r"(\d+) bytes stack frame", artifact.log)) == {"0"}
 
@@ -541,6 +615,39 @@ def test_template(wl: MoELayer) -> None:
     assert values["knob:combine_ctas"] == (16, 32, 64, 128)
 
 
+def test_template_admits_fp8_dispatch_under_moe_lossy_only(wl: MoELayer) -> None:
+    """moe (bf16 tolerance) admits no compression; moe-lossy declares 4 % and admits E4M3, which its
+    template renders into the seed's CONFIG with the group size; E5M2 and groups outside 32..512 not."""
+    from commweave.evaluate.program import load_program
+
+    seed = wl.template().seed_directives()
+    e4m3 = seed.with_(compression="fp8_e4m3", group_size=128)
+    assert any("declares no tolerance" in w or "is not admitted" in w for w in wl.template().check(e4m3, 4))
+    lossy = MoELayerLossy().template()
+    assert lossy.workload == "moe-lossy" and lossy.space(4).admitted_compressions() == ("none", "fp8_e4m3")
+    assert lossy.check(e4m3, 4) == []
+    config = load_program(lossy.render(e4m3.with_(group_size=64), lossy.default_shape(4), 4)).CONFIG
+    assert (config["compression"], config["group_size"]) == ("fp8_e4m3", 64)
+    assert load_program(lossy.render(seed, lossy.default_shape(4), 4)).CONFIG["compression"] == "none"
+    assert any("0.072" in w for w in lossy.check(e4m3.with_(compression="fp8_e5m2"), 4))
+    assert any("group_size in 0, 32, 64, 128, 256, 512 only" in w for w in lossy.check(e4m3.with_(group_size=1024), 4))
+
+
+def test_seed_refuses_a_bad_compression_config(wl: MoELayer) -> None:
+    """CONFIG `compression` and `group_size` are checked in setup, before anything is allocated."""
+    from commweave.evaluate.program import load_program
+
+    class Ctx:  # setup reads only the world size and rank before its checks
+        world_size, rank = 2, 0
+
+    shape = wl.check_shapes(2)[1]
+    for config, message in ((dict(compression="int8"), "must be 'none', 'fp8_e4m3' or 'fp8_e5m2'"),
+                            (dict(compression="fp8_e4m3", group_size=100), "group_size must be a power of two")):
+        module = load_program(with_config(wl.program_text("seed"), **config))
+        with pytest.raises(ValueError, match=message):
+            module.setup(Ctx(), shape)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("config", [dict(experts="grouped"), dict(experts="grouped", swiglu="torch"), dict(experts="streamed"),
@@ -550,6 +657,17 @@ def test_seed_variants_on_gpus(wl: MoELayer, world: int, config: dict) -> None:
     pair also where experts get more rows than one tile), few CTAs (many rows per warp) and the
     stream-wait path, on the check shapes and decode at full size."""
     check_on_gpus("moe", "seed", world, [*(s.label for s in wl.check_shapes(world)), "dsv3-T128"], seed=9, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [dict(compression="fp8_e4m3"), dict(compression="fp8_e4m3", group_size=32, experts="streamed")])
+def test_seed_fp8_dispatch_on_gpus(world: int, config: dict) -> None:
+    """FP8 dispatch under moe-lossy's tolerance: the check shapes (H = 136 pads a row's last group)
+    and decode at full size, grouped and streamed experts."""
+    lossy = MoELayerLossy()
+    check_on_gpus("moe-lossy", "seed", world, [*(s.label for s in lossy.check_shapes(world)), "dsv3-T128"], seed=9,
+                  config=config)
 
 
 INTERPRETED_EXPERTS = r"""
@@ -655,3 +773,32 @@ def test_streamed_experts_on_gpu(hidden: int, inter: int, experts_n: int, rows_p
                 assert error < 1e-2, f"expert {e}: relative error {error:.3g}"
         start = end
     assert h[start:].isnan().all() and y[start:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens,hidden,group,fmt", [(1, 136, 128, "e4m3"), (67, 256, 32, "e5m2"), (128, 7168, 128, "e4m3")])
+def test_seed_fp8_rows_round_trip_on_gpu(wl: MoELayer, tokens: int, hidden: int, group: int, fmt: str) -> None:
+    """The FP8 dispatch's two ends on one GPU (the NVLink copy between them moves bytes as they are):
+    TACO's compress kernel packs each token row as the seed calls it (one row alone: no padding to
+    16 bytes), and moe_dequant unpacks exactly the rows counted in cnt into taco.quant's round trip
+    of each row, bit for bit, leaving the rows past them untouched."""
+    from commweave.runtime.launch import Module
+    from commweave.taco import cuda as taco_cuda
+
+    module = Module(compile_cubin(parse_program(wl.program_text("seed")).cuda_sources["CUDA_SRC"]).path, "moe_seed")
+    cfg = QuantConfig(group, fmt, hadamard=False, dual_scale=False)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn(tokens, hidden, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+    x[0, :group] = 0  # a zero group: scale 1
+    wire = cfg.packed_stride(hidden)
+    xq = torch.full((tokens * wire,), 0xEE, dtype=torch.uint8, device="cuda")
+    taco_cuda.compress_into(x, cfg, xq if tokens > 1 else xq[:cfg.wire_bytes(hidden)], segments=tokens)
+    cnt = torch.tensor([[tokens // 2, 0], [0, tokens - tokens // 2]], dtype=torch.int64, device="cuda")  # rows: their sum
+    pool = torch.full((tokens + 5, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    module.kernel("moe_dequant").launch(132, 256, [xq, pool, cnt, cnt.numel(), hidden, group,
+                                                   cfg.num_groups(hidden) * group, wire, int(fmt == "e5m2")])
+    torch.cuda.synchronize()
+    want = torch.stack([roundtrip(row, cfg) for row in x])
+    assert torch.equal(pool[:tokens].view(torch.int16), want.view(torch.int16))
+    assert pool[tokens:].isnan().all()

@@ -10,9 +10,10 @@ def registry() -> dict[str, Workload]:
     from commweave.workloads.attention_cp.workload import AttentionCP
     from commweave.workloads.gemm_allgather.workload import GemmAllGather, GemmAllGatherLossy
     from commweave.workloads.kv_transfer.workload import KvTransfer
-    from commweave.workloads.moe.workload import MoELayer
+    from commweave.workloads.moe.workload import MoELayer, MoELayerLossy
 
-    workloads: list[Workload] = [GemmAllGather(), GemmAllGatherLossy(), AttentionCP(), MoELayer(), KvTransfer()]
+    workloads: list[Workload] = [GemmAllGather(), GemmAllGatherLossy(), AttentionCP(), MoELayer(), MoELayerLossy(),
+                                  KvTransfer()]
     return {w.name: w for w in workloads}
 
 

@@ -27,10 +27,10 @@ from typing import Any
 
 from commweave.evaluate.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
+from commweave.taco.quant import GROUP_SIZES as TACO_GROUP_SIZES
 from commweave.workloads.base import Shape
 
 MAX_CHUNKS = 64  # more pieces per shard than this only adds GEMM launches
-TACO_GROUP_SIZES = (32, 64, 128, 256, 512)  # what the TACO kernels take
 
 KNOBS: dict[str, tuple[Any, ...]] = {
     # 1024 is left out: ptxas gives cw_ag_push 96 registers a thread, and 1024 x 96 exceeds the

@@ -4,7 +4,10 @@ What the seed implements, and so what this template renders:
 - backend `lsa` (NVLink stores through `ncclGetLsaPointer`), placement `split` (the dispatch on a
   side stream, grouped GEMMs and combine on the current stream behind the flags), sync `peer` (one
   ready flag per (source, destination) pair), issuer `cta` (a CTA's warps copy rows, one release
-  signal per CTA and destination), language `cuda`, no compression;
+  signal per CTA and destination), language `cuda`;
+- compression `fp8_e4m3` / `fp8_e5m2` with a group size of 32..512 (CONFIG `compression`,
+  `group_size`: token rows dispatched as FP8 with one scale per group, dequantized on arrival), only
+  where the workload's tolerance admits the format (the space checks it: moe-lossy admits e4m3);
 - comm CTAs -> CONFIG `comm_ctas` (the dispatch kernel's CTAs);
 - chunk bytes: the seed signals once per (source, destination), so one value stands for "no
   chunking" (a per-chunk sync is not implemented and is rejected);
@@ -19,6 +22,7 @@ from typing import Any
 
 from commweave.evaluate.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
+from commweave.taco.quant import GROUP_SIZES as TACO_GROUP_SIZES
 from commweave.workloads.base import Shape
 
 REGION = 64 << 20  # the chunk-bytes value that stands for "one flag per (source, destination)"
@@ -46,6 +50,7 @@ class MoETemplate(Template):
 
             workload = MoELayer()
         self.wl = workload
+        self.workload = workload.name  # moe, or a variant declaring another tolerance (moe-lossy)
         self._seed_text = workload.program_text(workload.seed)
 
     def space(self, world_size: int, capabilities: Any = None) -> Space:
@@ -54,7 +59,8 @@ class MoETemplate(Template):
 
     def supported(self) -> dict[str, tuple[Any, ...]]:
         return {"backend": ("lsa",), "placement": ("split",), "comm_ctas": COMM_CTAS, "sync": ("peer",), "issuer": ("cta",),
-                "chunk_bytes": (REGION,), "compression": ("none",), "group_size": (0,), "language": ("cuda",),
+                "chunk_bytes": (REGION,), "compression": ("none", "fp8_e4m3", "fp8_e5m2"),
+                "group_size": (0, *TACO_GROUP_SIZES), "language": ("cuda",),
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
     def seed_directives(self) -> DirectiveSet:
@@ -68,7 +74,8 @@ class MoETemplate(Template):
         return self.wl.dsv3_shape(4096, world_size)
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
-        return with_config(self._seed_text, comm_ctas=ds.comm_ctas, **ds.knob_dict)
+        compression = {"compression": ds.compression, "group_size": ds.group_size} if ds.compression != "none" else {}
+        return with_config(self._seed_text, comm_ctas=ds.comm_ctas, **compression, **ds.knob_dict)
 
 
 def make_template(workload: Any = None) -> MoETemplate:

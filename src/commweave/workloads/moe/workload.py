@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
+from commweave.workloads.base import LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 from commweave.workloads.moe import routing
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
@@ -196,3 +196,16 @@ class MoELayer(Workload):
         if tuple(w2.shape) != (per_rank, hidden, two_i // 2):
             raise ValueError(f"w2 must be [E/W, H, I] = {(per_rank, hidden, two_i // 2)} (from w13 and x), got {tuple(w2.shape)}")
         return self.make_shape(world_size, tokens, hidden, two_i // 2, per_rank * world_size, idx.shape[1], 1, 1)
+
+
+class MoELayerLossy(MoELayer):
+    """The same layer for a caller who accepts FP8 dispatch (DeepSeek-V3 and DeepEP dispatch FP8
+    tokens with one scale per 128 values): a declared tolerance of 4 % relative error, so the design
+    space admits E4M3 compression of the dispatched rows (the seed's CONFIG `compression`). Every
+    program of moe runs unchanged; the search may now pick the compressed dispatch."""
+
+    name = "moe-lossy"
+    summary = "moe accepting 4% relative error: FP8 E4M3 dispatch of the tokens admitted"
+
+    def tolerance(self) -> float:
+        return LOSSY_TOLERANCE

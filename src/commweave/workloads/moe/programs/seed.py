@@ -44,6 +44,15 @@ One call (captured once per input/output addresses as a CUDA graph and replayed)
  5. current stream: wait until flags[W..2W) all == combine_ctas, out = sum over k of `back` (fp32,
     then bf16), zero the flags, join `comm`.
 
+FP8 dispatch (CONFIG `compression` "fp8_e4m3" / "fp8_e5m2", lossy: only where the workload declares
+a tolerance, e.g. moe-lossy): before the dispatch, TACO's compress kernel turns every token row into
+its own packed message (FP8 values, then one FP32 absmax scale per `group_size` of them; no
+Hadamard transform, one scale: DeepSeek-V3's 1 x 128 activation quantization), once per token, not
+per pair; the dispatch copies those messages (7392 bytes a DeepSeek-V3 row instead of 14336) into a
+symmetric byte pool; after the wait, `moe_dequant` turns the valid rows back into the bf16 pool
+the GEMMs read (the same bits as `taco.quant.decompress`). Rows, slots, flags and the combine are
+unchanged.
+
 Flags protocol, and why the reset cannot race: in one call rank r's flags[s] receives exactly
 comm_ctas increments (one per CTA of s's dispatch) and flags[W + d] exactly combine_ctas (one per
 CTA of d's combine), each a release after the CTA's stores; r waits (acquire) for every flag to
@@ -65,6 +74,8 @@ import torch.nn.functional as F
 
 from commweave.runtime.graphs import CallGraphs
 from commweave.runtime.launch import stream_wait_geq
+from commweave.taco import cuda as taco_cuda
+from commweave.taco.quant import QuantConfig
 from commweave.workloads.moe import routing
 
 # EVOLVE-BLOCK-START
@@ -82,6 +93,9 @@ CONFIG = dict(
     # only; "torch": F.silu(gate) * up over the whole pool (rows past the total included)
     wait="kernel",  # "kernel": a 1-thread acquire spin; "stream": cuStreamWaitValue64, no SM
     graph=True,  # replay the call as a CUDA graph (captured per input/output addresses)
+    compression="none",  # "fp8_e4m3" / "fp8_e5m2": tokens dispatched as FP8 with one absmax scale per
+    # `group_size` values (lossy: for workloads that declare a tolerance, e.g. moe-lossy)
+    group_size=128,  # values sharing one FP32 scale (with compression; 32..512, a power of two)
 )
 MAX_GRAPHS = 32  # captured calls kept per setup (the benchmark rotates up to 16 input sets)
 SWIGLU_CTAS_PER_SM = 4
@@ -91,6 +105,7 @@ CUDA_SRC = r"""
 #include <nccl_device.h>
 #include <cuda/atomic>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cstddef>
 #include <cstdint>
 
@@ -155,6 +170,22 @@ __device__ inline void moe_scale_row(uint4* dst, const uint4* src, float w, int 
     dst[i + 96] = moe_scale(v3, w);
   }
   for (; i < units; i += 32) dst[i] = moe_scale(src[i], w);
+}
+
+// An FP8 byte (E4M3 when fmt == 0, else E5M2) as a float: exact, both formats are subsets of FP16.
+__host__ __device__ inline float moe_fp8_value(unsigned char q, int fmt) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, fmt ? __NV_E5M2 : __NV_E4M3)));
+}
+
+// 8 FP8 values (an 8-byte unit of a row's payload) times their group's scale, each rounded to bf16:
+// taco.quant.decompress's `payload.float() * scale` then `.to(bfloat16)`.
+__host__ __device__ inline uint4 moe_dequant_unit(uint2 q, float scale, int fmt) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(&q);
+  uint4 out;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
+  for (int k = 0; k < 4; k++)
+    h[k] = __floats2bfloat162_rn(moe_fp8_value(b[2 * k], fmt) * scale, moe_fp8_value(b[2 * k + 1], fmt) * scale);
+  return out;
 }
 
 // Rows received (sum of cnt), computed by each warp on its own (blockDim a multiple of 32).
@@ -256,6 +287,23 @@ extern "C" __global__ void moe_swiglu(const uint4* gate_up, uint4* h, const long
   }
 }
 
+// FP8 dispatch: the valid rows [0, sum(cnt)) of the received byte pool, each a packed message
+// (`payload` bytes of FP8 values, then one FP32 scale per `group` values; `wire` bytes a row), back
+// to bf16 rows of `hidden` values. A thread converts 8 values (one group's) at a time.
+extern "C" __global__ void moe_dequant(const uint8_t* pool8, uint4* pool, const long long* cnt, int n_counts,
+                                       int hidden, int group, int payload, int wire, int fmt) {
+  const long long rows = moe_total(cnt, n_counts, threadIdx.x & 31);
+  const int units = hidden / 8;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * units;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long r = i / units;
+    const int u = (int)(i - r * units);
+    const uint8_t* row = pool8 + r * wire;
+    const float scale = reinterpret_cast<const float*>(row + payload)[u * 8 / group];
+    pool[i] = moe_dequant_unit(reinterpret_cast<const uint2*>(row)[u], scale, fmt);
+  }
+}
+
 // Combine: the valid rows y[0, sum(cnt)) of the expert-major pool are scaled by their weights and
 // stored at row pairs[i] of rank srcs[i]'s `back`; then each CTA adds 1 to flags[world + me] at
 // every rank.
@@ -311,6 +359,9 @@ def setup(ctx, shape):
         raise ValueError(f"CONFIG['experts'] must be 'auto', 'grouped', 'streamed' or 'none', not {CONFIG['experts']!r}")
     if CONFIG["wait"] not in ("kernel", "stream"):
         raise ValueError(f"CONFIG['wait'] must be 'kernel' or 'stream', not {CONFIG['wait']!r}")
+    fmt = {"none": None, "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}.get(CONFIG["compression"], "?")
+    if fmt == "?":
+        raise ValueError(f"CONFIG['compression'] must be 'none', 'fp8_e4m3' or 'fp8_e5m2', not {CONFIG['compression']!r}")
     tokens, hidden, top_k, n_experts = shape["T"], shape["H"], shape["K"], shape["E"]
     if hidden % 8 or shape["I"] % 8:
         raise ValueError(f"rows are handled as 16-byte vectors: H={hidden} and I={shape['I']} must be multiples of 8")
@@ -322,7 +373,16 @@ def setup(ctx, shape):
     pool_rows = world * routing.pool_rows_per_source(tokens, top_k)
     if pool_rows >= 2**31:
         raise ValueError(f"pair ids and rows are int32 in the kernels: {pool_rows} pool rows are too many")
-    pool = ctx.symmetric((pool_rows, hidden), torch.bfloat16, zero=False)
+    fp8 = None
+    if fmt is not None:  # FP8 dispatch: token rows as packed messages into a symmetric byte pool
+        cfg = QuantConfig(CONFIG["group_size"], fmt, hadamard=False, dual_scale=False)
+        wire = cfg.packed_stride(hidden)  # a row's message, rounded to 16 bytes (the copy's vectors)
+        fp8 = {"cfg": cfg, "wire": wire, "payload": cfg.num_groups(hidden) * cfg.group_size, "fmt": int(fmt == "e5m2"),
+               "xq": torch.empty(tokens * wire, dtype=torch.uint8, device=ctx.device),
+               "pool8": ctx.symmetric((pool_rows, wire), torch.uint8, zero=False)}
+    # the bf16 rows the GEMMs read: received there directly, or dequantized from the byte pool
+    pool = (ctx.symmetric((pool_rows, hidden), torch.bfloat16, zero=False) if fp8 is None
+            else torch.empty((pool_rows, hidden), dtype=torch.bfloat16, device=ctx.device))
     pair = ctx.symmetric((pool_rows,), torch.int32, zero=False)
     src = ctx.symmetric((pool_rows,), torch.int32, zero=False)
     wt = ctx.symmetric((pool_rows,), torch.float32, zero=False)
@@ -342,10 +402,12 @@ def setup(ctx, shape):
     return {
         "pool": pool, "pair": pair, "src": src, "wt": wt, "sent": sent, "back": back, "flags": flags, "dc": dc,
         "cnt": torch.zeros((world, per_rank), dtype=torch.int64, device=ctx.device),  # local: own dispatch writes it
-        "wins": {name: ctx.window(t) for name, t in (("pool", pool), ("pair", pair), ("src", src), ("wt", wt),
-                                                    ("sent", sent), ("back", back), ("flags", flags))},
+        "wins": {name: ctx.window(t) for name, t in (("pool", pool if fp8 is None else fp8["pool8"]), ("pair", pair),
+                                                    ("src", src), ("wt", wt), ("sent", sent), ("back", back),
+                                                    ("flags", flags))},
         "dispatch": module.kernel("moe_dispatch"), "combine": module.kernel("moe_combine"),
-        "swiglu": module.kernel("moe_swiglu"), "wait": module.kernel("moe_wait"),
+        "swiglu": module.kernel("moe_swiglu"), "wait": module.kernel("moe_wait"), "dequant": module.kernel("moe_dequant"),
+        "fp8": fp8,
         "stream": ctx.stream("comm", priority=CONFIG["comm_priority"]), "shared": shared, "swiglu_ctas": sms * SWIGLU_CTAS_PER_SM,
         "pool_rows": pool_rows, "per_rank": per_rank, "E": n_experts, "K": top_k, "I": shape["I"], "H": hidden,
         "graphs": CallGraphs(MAX_GRAPHS),
@@ -396,16 +458,26 @@ def _call(ctx, state, inputs, out):
     main, comm = torch.cuda.current_stream(ctx.device), state["stream"]
     layout = routing.slot_layout(idx, state["E"], world)
     state["sent"].copy_(layout["counts"])  # peers read it after the dispatch's opening barrier
+    fp8, rows, row_units = state["fp8"], x, state["H"] // 8
+    if fp8 is not None:  # every token row its own packed message (one message alone: no padding to 16)
+        tokens = x.shape[0]
+        taco_cuda.compress_into(x, fp8["cfg"], fp8["xq"] if tokens > 1 else fp8["xq"][:fp8["cfg"].wire_bytes(state["H"])],
+                                segments=tokens)
+        rows, row_units = fp8["xq"], fp8["wire"] // 16
 
-    comm.wait_stream(main)  # layout and counts are ready; this rank's previous call (reset included) is done
+    comm.wait_stream(main)  # layout, counts (and messages) are ready; this rank's previous call (reset included) is done
     state["dispatch"].launch(CONFIG["comm_ctas"], CONFIG["threads"], [
-        x, idx, w, layout["order"], layout["dest_start"], state["K"], state["per_rank"], state["E"], state["H"] // 8,
+        rows, idx, w, layout["order"], layout["dest_start"], state["K"], state["per_rank"], state["E"], row_units,
         state["pool_rows"], wins["pool"], wins["pool"].offset, wins["pair"], wins["pair"].offset, wins["src"],
         wins["src"].offset, wins["wt"], wins["wt"].offset, wins["sent"], wins["sent"].offset, state["cnt"],
         wins["flags"], wins["flags"].offset, state["dc"],
     ], stream=comm, shared_mem=state["shared"])
 
     _wait(state, 0, world, CONFIG["comm_ctas"], main)  # every source's rows (and cnt) landed
+    if fp8 is not None:
+        state["dequant"].launch(state["swiglu_ctas"], 256, [
+            fp8["pool8"], state["pool"], state["cnt"], state["cnt"].numel(), state["H"], fp8["cfg"].group_size,
+            fp8["payload"], fp8["wire"], fp8["fmt"]])
     if CONFIG["experts"] == "none":
         y = state["pool"]
     else:
