@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The open issues' "done when" tables on W GPUs, in two device calls of under 10 minutes each.
+# The open issues' "done when" tables on W GPUs, in device calls of under 10 minutes each.
 # Usage on the device machine (repository root; $OUT is where results come back):
-#   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 comm      # TACO, MoE, lossy GEMM (~8 min)
+#   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 comm      # TACO, MoE (~7 min)
 #   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 compute   # attention, KV transfer, GEMM (~9 min)
+#   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 lossy     # FP8 options: GEMM gather, MoE dispatch (~3 min)
 # Each step has its own time limit (rc 124: it ran out) and log under $OUT; summary.txt lists them.
 set -u
-W="${1:?usage: issue_tables.sh GPUS comm|compute}"
-PART="${2:?usage: issue_tables.sh GPUS comm|compute}"
+W="${1:?usage: issue_tables.sh GPUS comm|compute|lossy}"
+PART="${2:?usage: issue_tables.sh GPUS comm|compute|lossy}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 export COMMWEAVE_COMMIT="${COMMWEAVE_COMMIT:-unknown}"
@@ -29,10 +30,14 @@ case "$PART" in
     # step time where the GPU, not the host, bounds a step (the default model's step is host-bound)
     step taco-train-4x4096 90 python bench/taco_train.py --gpus "$W" --backend device --layers 4 --hidden 4096 \
       --heads 32 --steps 60 --out-dir "$OUT"
-    step moe 120 python -m commweave.cli bench moe --gpus "$W" --out-dir "$OUT"
+    step moe 120 python -m commweave.cli bench moe --gpus "$W" --out-dir "$OUT" ;;
+  lossy)
+    step moe-fp8-tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_moe.py -k fp8
+    step moe-lossy 120 python bench/sweep.py moe-lossy --gpus "$W" --shapes dsv3-T128 dsv3-T4096 \
+      --grid compression=none,fp8_e4m3
     step gemm-lossy 60 python bench/sweep.py gemm-allgather-lossy --gpus "$W" \
       --shapes 16384x4096x8192 8192x8192x8192 --grid compression=none,fp8_e4m3 --grid chunks=1,4
-    cp bench/results/sweep-gemm-allgather-lossy-"$W"gpu-*.json "$OUT"/ 2>/dev/null ;;
+    cp bench/results/sweep-moe-lossy-"$W"gpu-*.json bench/results/sweep-gemm-allgather-lossy-"$W"gpu-*.json "$OUT"/ 2>/dev/null ;;
   compute)
     step attention 200 python -m commweave.cli bench attention-cp --gpus "$W" \
       --shapes s32768-q32kv8-d128-full,s32768-q32kv8-d128-causal,s131072-q32kv8-d128-full \
@@ -40,6 +45,6 @@ case "$PART" in
     step kv-transfer 150 python -m commweave.cli bench kv-transfer --gpus "$W" --shapes S128,S512,S2048,S16384,S2048-P13 \
       --out-dir "$OUT"
     step gemm 180 python -m commweave.cli bench gemm-allgather --gpus "$W" --out-dir "$OUT" ;;
-  *) echo "part must be comm or compute, not $PART" >&2; exit 2 ;;
+  *) echo "part must be comm, compute or lossy, not $PART" >&2; exit 2 ;;
 esac
 echo "==== summary"; cat "$OUT/summary.txt"
