@@ -111,6 +111,53 @@ def test_launch_hands_the_driver_each_arguments_bytes(monkeypatch):
         kernel.launch(1, 1, args2[:7], stream=Stream())
 
 
+def test_launch_packs_by_struct_as_pack_argument_does(monkeypatch):
+    """Arguments whose types have a struct form (ints, floats, tensors, windows, DevComm, bytes,
+    ctypes arrays) are written by one cached struct per combination of types: the same bytes as
+    pack_argument, call after call with other values; values out of the struct code's range
+    (unsigned above the signed range) take the general path, and what neither accepts is refused
+    with pack_argument's reason."""
+    from commweave.runtime import launch
+
+    seen = {}
+
+    class FakeDriver:
+        CUstream = staticmethod(lambda handle: handle)
+
+        def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            seen["args"] = [ctypes.string_at(pointers[i], n) for i, n in enumerate(kernel.param_sizes)]
+            return (0,)
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
+    monkeypatch.setattr(launch, "_check", lambda result, call: None)
+    kernel = launch.Kernel.__new__(launch.Kernel)
+    kernel.function, kernel.name, kernel.param_sizes = None, "k", [8, 4, 1, 2, 8, 8, 24, 4, 8, 136, 64]
+    kernel._layout()
+    t, u = torch.empty(3), torch.empty(5)
+    dc = DevComm((ctypes.c_byte * 24)(*range(24)), 0, 2, 0, 2, 0, 1, 0)
+
+    def expect(args):
+        kernel.launch(1, 32, args, stream=Stream())
+        assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
+
+    window = Window(handle=0x1234, base_ptr=0, nbytes=0)
+    first = [t, -7, 5, 300, window, 1 << 40, dc, 0.25, 2.5, bytes(range(136)), (ctypes.c_uint64 * 8)(*range(8))]
+    expect(first)
+    expect([u, 7, -5, -300, Window(handle=0x99, base_ptr=0, nbytes=0), -1, dc, -1.5, -0.125, bytes(136),
+            (ctypes.c_uint64 * 8)(*range(8, 16))])
+    assert len(kernel._packers) == 1 and next(iter(kernel._packers.values())) is not None
+    expect([t, 0xFFFFFFFF, 255, 65535, window, (1 << 64) - 1, dc, 0.0, 0.0, bytes(136), (ctypes.c_uint64 * 8)()])
+    with pytest.raises(LaunchError, match="argument 1: 4294967296 does not fit the 4-byte parameter"):
+        kernel.launch(1, 32, [t, 1 << 32, *first[2:]], stream=Stream())
+    with pytest.raises(LaunchError, match="argument 9 packs to 135 bytes but the kernel's parameter has 136"):
+        kernel.launch(1, 32, [*first[:9], bytes(135), first[10]], stream=Stream())
+    expect([t, True, *first[2:]])  # a bool has no struct form here: the general path
+
+
 def test_sticky_cuda_errors_are_recognised():
     assert is_sticky_cuda_error("CUDA error: an illegal memory access was encountered")
     assert not is_sticky_cuda_error("ValueError: shapes do not match")

@@ -14,6 +14,7 @@ import ctypes
 import itertools
 import struct
 import threading
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,33 @@ def pack_argument(value: Any, size: int, index: int, kernel: str) -> bytes:
     return raw
 
 
+_STRUCT_CODES = {(int, 1): "b", (int, 2): "h", (int, 4): "i", (int, 8): "q", (float, 4): "f", (float, 8): "d"}
+
+
+def _address(value: Any) -> int:
+    return value.data_ptr()
+
+
+def _window(value: Window) -> int:
+    return value.handle
+
+
+def _dev_comm(value: DevComm) -> bytes:
+    return bytes(value.blob)
+
+
+@dataclass(frozen=True)
+class _Packer:
+    """Every argument of one combination of types written by one struct: ints and floats at their
+    parameter's width, tensors and windows as 8-byte addresses, a DevComm, bytes and ctypes values
+    as their bytes. `convert`: (index, function) of the arguments to convert first; `sized`: the
+    indices whose bytes must be exactly the parameter's size (the struct would pad or cut them)."""
+
+    struct: struct.Struct
+    convert: tuple[tuple[int, Any], ...]
+    sized: tuple[int, ...]
+
+
 class Kernel:
     """One `extern "C" __global__` function of a loaded module."""
 
@@ -151,6 +179,48 @@ class Kernel:
         self._pointers = (ctypes.c_void_p * max(1, len(slots)))(*[base + o for o in offsets])
         self._pointers_address = ctypes.addressof(self._pointers)
         self._lock = threading.Lock()  # one launch at a time fills the shared buffer
+        self._packers: dict[tuple[type, ...], _Packer | None] = {}
+
+    def _packer(self, kinds: tuple[type, ...]) -> _Packer | None:
+        """The struct for arguments of these types (the types a call site passes do not change
+        from call to call); None where a type has no struct form (then `pack_argument`)."""
+        fmt, convert, sized = "<", [], []
+        for i, (kind, size, pad) in enumerate(zip(kinds, self.param_sizes, self._padding)):
+            if (kind, size) in _STRUCT_CODES:
+                fmt += _STRUCT_CODES[kind, size]
+            elif size == 8 and (kind is Window or callable(getattr(kind, "data_ptr", None))):  # window, tensor
+                fmt += "Q"
+                convert.append((i, _window if kind is Window else _address))
+            elif kind is DevComm or kind is bytes or issubclass(kind, ctypes.Structure | ctypes.Array):
+                fmt += f"{size}s"
+                convert.append((i, _dev_comm if kind is DevComm else bytes))
+                sized.append(i)
+            else:
+                return None
+            fmt += f"{len(pad)}x" if pad else ""
+        return _Packer(struct.Struct(fmt), tuple(convert), tuple(sized))
+
+    def _fill(self, args: Sequence[Any]) -> None:
+        """The arguments' bytes into the buffer: by the packer of their types when they fit it (an
+        int out of its struct code's range, e.g. an unsigned value above the signed one, or bytes
+        of another length, take the general path, which also names what is wrong)."""
+        kinds = tuple(map(type, args))
+        packer = self._packers.get(kinds, False)
+        if packer is False:
+            packer = self._packers[kinds] = self._packer(kinds)
+        if packer is not None:
+            values = list(args)
+            for i, function in packer.convert:
+                values[i] = function(args[i])
+            if all(len(values[i]) == self.param_sizes[i] for i in packer.sized):
+                try:
+                    packer.struct.pack_into(self._blob, 0, *values)
+                    return
+                except (struct.error, OverflowError):
+                    pass
+        packed = b"".join([part for i, (a, size, pad) in enumerate(zip(args, self.param_sizes, self._padding))
+                           for part in (pack_argument(a, size, i, self.name), pad)])
+        ctypes.memmove(self._blob, packed, len(packed))
 
     def set_max_dynamic_shared_memory(self, nbytes: int) -> None:
         drv = _driver()
@@ -160,17 +230,14 @@ class Kernel:
     def launch(self, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any],
                stream: Any = None, shared_mem: int = 0) -> None:
         """Launch on `stream` (a torch.cuda.Stream; default: torch's current stream)."""
-        sizes = self.param_sizes
-        if len(args) != len(sizes):
-            raise LaunchError(f"{self.name} takes {len(sizes)} arguments, got {len(args)}")
-        packed = b"".join([part for i, (a, size, pad) in enumerate(zip(args, sizes, self._padding))
-                           for part in (pack_argument(a, size, i, self.name), pad)])
+        if len(args) != len(self.param_sizes):
+            raise LaunchError(f"{self.name} takes {len(self.param_sizes)} arguments, got {len(args)}")
         g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         b = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
         handle = stream.cuda_stream if stream is not None else current_stream_handle()
         drv = _driver()
         with self._lock:
-            ctypes.memmove(self._blob, packed, len(packed))
+            self._fill(args)
             _check(drv.cuLaunchKernel(self.function, *g, *b, shared_mem, drv.CUstream(handle),
                                       self._pointers_address, 0), f"cuLaunchKernel({self.name})")
 
