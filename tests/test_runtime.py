@@ -234,3 +234,26 @@ def test_call_graphs_refuses_a_capacity_below_one():
 
     with pytest.raises(ValueError, match="capacity"):
         CallGraphs(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_current_stream_handle_and_on_device_agree_with_torch():
+    """The raw current-stream handle is torch's current stream's, on the default stream, inside a
+    `torch.cuda.stream` block and for an explicit device; on_device switches only to another device."""
+    import contextlib
+
+    from commweave.runtime.launch import current_stream_handle, on_device
+
+    index = torch.cuda.current_device()
+    assert current_stream_handle() == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current_stream_handle() == side.cuda_stream == current_stream_handle(index)
+    assert isinstance(on_device(torch.device("cuda", index)), contextlib.nullcontext)
+    assert isinstance(on_device(torch.device("cpu")), contextlib.nullcontext)
+    if torch.cuda.device_count() > 1:
+        other = (index + 1) % torch.cuda.device_count()
+        with on_device(other):
+            assert torch.cuda.current_device() == other
+        assert torch.cuda.current_device() == index

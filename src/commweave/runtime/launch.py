@@ -14,25 +14,25 @@ import ctypes
 import itertools
 import struct
 import threading
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from commweave.runtime.nccl import DevComm, Window
 
 
-def current_stream_handle() -> int:
-    """The raw handle of torch's current stream on the current device, as
-    `torch.cuda.current_stream().cuda_stream` gives it but without building a Stream object and
+def current_stream_handle(device_index: int | None = None) -> int:
+    """The raw handle of torch's current stream on `device_index` (default: the current device), as
+    `torch.cuda.current_stream(device).cuda_stream` gives it but without building a Stream object and
     resolving the device through Python (~10 µs a call on the GPU machine's host, paid by every
     launch of a per-call collective)."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:  # a torch without CUDA: the public path (it raises the usual error)
-        return torch.cuda.current_stream().cuda_stream
-    return raw(torch._C._cuda_getDevice())
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return raw(torch._C._cuda_getDevice() if device_index is None else device_index)
 
 
 def on_device(device: Any) -> contextlib.AbstractContextManager:
@@ -143,7 +143,7 @@ class _Packer:
     as their bytes. `convert`: (index, function) of the arguments to convert first; `sized`: the
     indices whose bytes must be exactly the parameter's size (the struct would pad or cut them)."""
 
-    struct: struct.Struct
+    writer: struct.Struct
     convert: tuple[tuple[int, Any], ...]
     sized: tuple[int, ...]
 
@@ -214,7 +214,7 @@ class Kernel:
                 values[i] = function(args[i])
             if all(len(values[i]) == self.param_sizes[i] for i in packer.sized):
                 try:
-                    packer.struct.pack_into(self._blob, 0, *values)
+                    packer.writer.pack_into(self._blob, 0, *values)
                     return
                 except (struct.error, OverflowError):
                     pass

@@ -563,7 +563,7 @@ class WindowTransport:
         self._flag_peers: list[int] = []  # each rank's flags' address, as mapped here
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
-        handle = current_stream_handle()  # the collectives run with the context's device current
+        handle = current_stream_handle(self.device.index)
         if handle != self._stream_handle:
             stream = torch.cuda.current_stream(self.device)
             if self._stream is not None:
