@@ -72,43 +72,55 @@ def test_pack_argument_follows_the_kernels_parameter_widths():
         pack_argument("text", 8, 2, "k")
 
 
+class _FakeDriver:
+    """Records what cuLaunchKernel got: each argument's bytes behind its pointer, grid and block."""
+
+    CUstream = staticmethod(lambda handle: handle)
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.args, self.grid, self.block = sizes, None, None, None
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        self.args = [ctypes.string_at(pointers[i], n) for i, n in enumerate(self.sizes)]
+        self.grid, self.block = (gx, gy, gz), (bx, by, bz)
+        return (0,)
+
+
+class _Stream:
+    cuda_stream = 0
+
+
+def _fake_kernel(monkeypatch, sizes: list[int]):
+    """A Kernel named "k" with parameters of `sizes` bytes, launching into a _FakeDriver."""
+    from commweave.runtime import launch
+
+    driver = _FakeDriver(sizes)
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    monkeypatch.setattr(launch, "_check", lambda result, call: None)
+    kernel = launch.Kernel.__new__(launch.Kernel)
+    kernel.function, kernel.name, kernel.param_sizes = None, "k", sizes
+    kernel._layout()
+    return kernel, driver
+
+
 def test_launch_hands_the_driver_each_arguments_bytes(monkeypatch):
     """Kernel.launch packs every argument into one buffer: the driver must find, at pointer i,
     exactly pack_argument's bytes for parameter i (widths 1 to 136, tensors, ctypes arrays, ints)."""
-    from commweave.runtime import launch
-
-    seen = {}
-
-    class FakeDriver:
-        CUstream = staticmethod(lambda handle: handle)
-
-        def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-            pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-            seen["args"] = [ctypes.string_at(pointers[i], n) for i, n in enumerate(kernel.param_sizes)]
-            seen["grid"], seen["block"] = (gx, gy, gz), (bx, by, bz)
-            return (0,)
-
-    class Stream:
-        cuda_stream = 0
-
-    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
-    monkeypatch.setattr(launch, "_check", lambda result, call: None)
-    kernel = launch.Kernel.__new__(launch.Kernel)
-    kernel.function, kernel.name, kernel.param_sizes = None, "k", [64, 4, 8, 1, 8, 2, 136, 4]
-    kernel._layout()
+    kernel, driver = _fake_kernel(monkeypatch, [64, 4, 8, 1, 8, 2, 136, 4])
     t = torch.empty(3)
     args = [(ctypes.c_uint64 * 8)(*range(8)), -7, 1 << 40, True, t, ctypes.c_uint16(9),
             (ctypes.c_uint64 * 17)(*range(100, 117)), 2.5]
-    kernel.launch((3, 2), 128, args, stream=Stream())
-    assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
-    assert seen["args"][1] == struct.pack("<i", -7) and seen["args"][4] == struct.pack("<Q", t.data_ptr())
-    assert seen["grid"] == (3, 2, 1) and seen["block"] == (128, 1, 1)
+    kernel.launch((3, 2), 128, args, stream=_Stream())
+    assert driver.args == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
+    assert driver.args[1] == struct.pack("<i", -7) and driver.args[4] == struct.pack("<Q", t.data_ptr())
+    assert driver.grid == (3, 2, 1) and driver.block == (128, 1, 1)
     # the argument buffer is reused: a second launch's bytes replace the first's
     args2 = [bytes(range(64)), 5, 7, False, t, ctypes.c_uint16(1), bytes(136), 0.5]
-    kernel.launch(4, 32, args2, stream=Stream())
-    assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args2, kernel.param_sizes))]
+    kernel.launch(4, 32, args2, stream=_Stream())
+    assert driver.args == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args2, kernel.param_sizes))]
     with pytest.raises(LaunchError, match="takes 8 arguments, got 7"):
-        kernel.launch(1, 1, args2[:7], stream=Stream())
+        kernel.launch(1, 1, args2[:7], stream=_Stream())
 
 
 def test_launch_packs_by_struct_as_pack_argument_does(monkeypatch):
@@ -117,32 +129,13 @@ def test_launch_packs_by_struct_as_pack_argument_does(monkeypatch):
     pack_argument, call after call with other values; values out of the struct code's range
     (unsigned above the signed range) take the general path, and what neither accepts is refused
     with pack_argument's reason."""
-    from commweave.runtime import launch
-
-    seen = {}
-
-    class FakeDriver:
-        CUstream = staticmethod(lambda handle: handle)
-
-        def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-            pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-            seen["args"] = [ctypes.string_at(pointers[i], n) for i, n in enumerate(kernel.param_sizes)]
-            return (0,)
-
-    class Stream:
-        cuda_stream = 0
-
-    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
-    monkeypatch.setattr(launch, "_check", lambda result, call: None)
-    kernel = launch.Kernel.__new__(launch.Kernel)
-    kernel.function, kernel.name, kernel.param_sizes = None, "k", [8, 4, 1, 2, 8, 8, 24, 4, 8, 136, 64]
-    kernel._layout()
+    kernel, driver = _fake_kernel(monkeypatch, [8, 4, 1, 2, 8, 8, 24, 4, 8, 136, 64])
     t, u = torch.empty(3), torch.empty(5)
     dc = DevComm((ctypes.c_byte * 24)(*range(24)), 0, 2, 0, 2, 0, 1, 0)
 
     def expect(args):
-        kernel.launch(1, 32, args, stream=Stream())
-        assert seen["args"] == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
+        kernel.launch(1, 32, args, stream=_Stream())
+        assert driver.args == [pack_argument(a, n, i, "k") for i, (a, n) in enumerate(zip(args, kernel.param_sizes))]
 
     window = Window(handle=0x1234, base_ptr=0, nbytes=0)
     first = [t, -7, 5, 300, window, 1 << 40, dc, 0.25, 2.5, bytes(range(136)), (ctypes.c_uint64 * 8)(*range(8))]
@@ -152,9 +145,9 @@ def test_launch_packs_by_struct_as_pack_argument_does(monkeypatch):
     assert len(kernel._packers) == 1 and next(iter(kernel._packers.values())) is not None
     expect([t, 0xFFFFFFFF, 255, 65535, window, (1 << 64) - 1, dc, 0.0, 0.0, bytes(136), (ctypes.c_uint64 * 8)()])
     with pytest.raises(LaunchError, match="argument 1: 4294967296 does not fit the 4-byte parameter"):
-        kernel.launch(1, 32, [t, 1 << 32, *first[2:]], stream=Stream())
+        kernel.launch(1, 32, [t, 1 << 32, *first[2:]], stream=_Stream())
     with pytest.raises(LaunchError, match="argument 9 packs to 135 bytes but the kernel's parameter has 136"):
-        kernel.launch(1, 32, [*first[:9], bytes(135), first[10]], stream=Stream())
+        kernel.launch(1, 32, [*first[:9], bytes(135), first[10]], stream=_Stream())
     expect([t, True, *first[2:]])  # a bool has no struct form here: the general path
 
 
