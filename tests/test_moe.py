@@ -464,6 +464,11 @@ def test_cost(wl: MoELayer) -> None:
     assert skewed.flops == pytest.approx(c.flops * 4 * 5 / 8)  # the hot rank gets 5/8 of all pairs
     decode = wl.cost(wl.parse_shape("dsv3-T128", 4), 4)
     assert decode.memory_bytes >= 64 * 3 * 7168 * 2048 * 2  # decode reads every local expert's weights
+    # moe-lossy's floor: rows in FP8 with a scale per 512 values both ways (a lower bound for FP8 dispatch)
+    lossy = MoELayerLossy().cost(s, 4)
+    assert lossy.comm_bytes == pytest.approx(2 * pairs * 3 / 4 * (7168 + 4 * 14))
+    assert (lossy.flops, lossy.memory_bytes) == (c.flops, c.memory_bytes)
+    assert MoELayerLossy().comm_yardsticks == ()  # its FP8 bytes are not what the bf16 exchange moves
 
 
 # -- data and reference ---------------------------------------------------------------------------
