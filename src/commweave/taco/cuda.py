@@ -246,7 +246,7 @@ def _sources(parts: Sequence[Compressed | torch.Tensor], what: str,
                          f"{len(cs)} messages and {len(own)} tensors")
     cfg, numel = cs[0].config, cs[0].numel
     for c in cs[1:]:
-        if (c.config is not cfg and c.config != cfg) or (c.shape != cs[0].shape and c.numel != numel):
+        if c.config != cfg or c.numel != numel:
             raise ValueError(f"{what}: every message must have the same config and size, got {c.config}/{c.numel} "
                              f"and {cfg}/{numel}")
     addresses = [p.data_ptr() if i in own else _packed_address(p) for i, p in enumerate(parts)]

@@ -557,18 +557,16 @@ class WindowTransport:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
         self._buffers: dict[Hashable, torch.Tensor] = {}
         self._peers: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._stream: torch.cuda.Stream | None = None  # the stream of the last call, and its raw handle
-        self._stream_handle: int | None = None
+        self._stream: torch.cuda.Stream | None = None  # the stream of the last call
         self._flags: torch.Tensor | None = None  # [W, FLAG_SLOTS + 1] int64: [source][slot] = its last epoch
         self._flag_peers: list[int] = []  # each rank's flags' address, as mapped here
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
-        handle = current_stream_handle(self.device.index)
-        if handle != self._stream_handle:
+        if self._stream is None or current_stream_handle(self.device.index) != self._stream.cuda_stream:
             stream = torch.cuda.current_stream(self.device)
             if self._stream is not None:
                 stream.wait_stream(self._stream)  # the previous call's reads of our windows come first
-            self._stream, self._stream_handle = stream, handle
+            self._stream = stream
         if key not in self._buffers:
             self._buffers[key] = self.ctx.symmetric(nbytes, torch.uint8, zero=False)  # collective
         return self._buffers[key]
