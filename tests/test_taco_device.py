@@ -15,7 +15,9 @@ of BF16 against plain NCCL, printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import struct
 import sys
 import threading
 from pathlib import Path
@@ -258,6 +260,129 @@ def test_a_missing_barrier_is_caught_by_the_hazard_log():
     for th in threads:
         th.join()
     assert any("when it is written" in h for h in node.hazards())
+
+
+class _SharedBuffers:
+    """A W-rank view for one process: every rank's buffer per key (distinct addresses, shared by the
+    transports made over one instance), no-op barriers, fused barriers with fixed flag addresses."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.buffers: dict[tuple[int, object], torch.Tensor] = {}
+
+    def transport(self, rank: int) -> "object":
+        shared = self
+
+        class Transport:
+            def __init__(self):
+                self.rank, self.world_size, self.device = rank, shared.world, torch.device("cpu")
+
+            def buffer(self, key, nbytes):
+                for r in range(shared.world):
+                    if (r, key) not in shared.buffers:
+                        raw = torch.zeros(nbytes + 16, dtype=torch.uint8)  # not an allocation of the call
+                        shared.buffers[r, key] = raw[-raw.data_ptr() % 16:][:nbytes]
+                return shared.buffers[rank, key]
+
+            def peer(self, buf, r):
+                return next(shared.buffers[r, k] for (o, k), b in shared.buffers.items()
+                            if o == rank and b.data_ptr() == buf.data_ptr())
+
+            def barrier(self):
+                pass
+
+            def fused_barrier(self, epoch):
+                others = [p for p in range(shared.world) if p != rank]
+                return FusedBarrier(tuple(0x1000 + 8 * p for p in others), tuple(0x2000 + 8 * p for p in others), epoch)
+
+        return Transport()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("fuse_barriers", [False, True], ids=["barrier", "fused"])
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+def test_replayed_launches_equal_the_checked_paths_byte_for_byte(monkeypatch, world, fuse_barriers, double_buffer):
+    """Calls that replay recorded launches queue exactly what the checked path queues for them (kernel,
+    grid, every argument's value), call after call with new inputs and outputs, an input at an
+    address the vector path does not take (a new recording), single- and double-buffered, with and
+    without fused barriers; the replaying collectives do skip the checks after the first calls."""
+    from commweave.taco import cuda
+
+    launched: list[tuple] = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args):
+            launched.append((self.name, grid, block, tuple(args)))
+
+    class Module:
+        def kernel(self, name):
+            return Kernel(name)
+
+    checks = {"count": 0}
+
+    def check_result(parts, result, numel, what):  # the checked path ran (CPU tensors: no device check)
+        checks["count"] += 1
+
+    monkeypatch.setattr(cuda, "_module", lambda index, source: Module())
+    monkeypatch.setattr(cuda, "_device_index", lambda dev: 0)
+    monkeypatch.setattr(cuda, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda, "on_device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "_check_result", check_result)
+    cfg = QuantConfig(64)
+    shared = _SharedBuffers(world)
+    rank = world - 1
+    replaying = device.DeviceCollectives(shared.transport(rank), device.CudaCodec(fuse_barriers=fuse_barriers),
+                                         double_buffer)
+    checked = device.DeviceCollectives(shared.transport(rank), device.CudaCodec(fuse_barriers=fuse_barriers),
+                                       double_buffer)
+    checked._replay_key = lambda *a: None  # every call takes the checked path
+    gen = torch.Generator().manual_seed(world)
+
+    def call(coll, op, x):
+        """The call's launches, each address inside a tensor the call allocated (its output, a padded
+        input) written as (that tensor's index, offset); and how many result checks it ran."""
+        start, before, made = len(launched), checks["count"], []
+        with monkeypatch.context() as m:
+            for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.nn.functional, "pad")):
+                m.setattr(owner, name, lambda *a, _f=getattr(owner, name), **k: made.append(_f(*a, **k)) or made[-1])
+            if op == "all_gather":
+                coll.all_gather(x, cfg)
+            elif op == "reduce_scatter":
+                coll.reduce_scatter(x, cfg)
+            else:
+                coll.all_reduce(x, cfg, op)
+
+        def where(v):
+            for j, t in enumerate(made):
+                if t.data_ptr() <= v < t.data_ptr() + t.numel() * t.element_size():
+                    return ("made", j, v - t.data_ptr())
+            return v
+
+        def value(a):
+            if isinstance(a, bytes):
+                return tuple(where(v) for v in struct.unpack(f"<{len(a) // 8}Q", a))
+            return where(a) if a > 1 << 16 else a
+
+        return [(name, grid, block, tuple(map(value, args))) for name, grid, block, args in launched[start:]], \
+            checks["count"] - before
+
+    replayed_checks = 0
+    for i in range(5):
+        for op, shape in (("all_gather", (3, 64)), ("reduce_scatter", (world * 2, 96)), ("one_shot", (5, 64)),
+                          ("two_shot", (7, 33))):
+            base = torch.randn(shape[0] * shape[1] + 1, generator=gen, dtype=torch.bfloat16)
+            x = (base[1:] if i == 3 else base[:-1]).view(shape)  # call 3: 2 bytes past an aligned address
+            ours, n_checks = call(replaying, op, x)
+            theirs, _ = call(checked, op, x)
+            assert ours == theirs, (op, i)
+            if i == 4:
+                replayed_checks += n_checks
+    assert replaying.barriers == checked.barriers
+    if world > 1:  # each layout's calls replay once recorded (one rank: only what launches kernels alone)
+        assert replayed_checks == 0 and all(replaying._replays.values())
 
 
 def test_bad_inputs_are_refused_with_the_reason():

@@ -16,12 +16,15 @@ by `runtime.compile` on first use (disk-cached) and loaded once per device.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,7 +61,7 @@ class FusedBarrier:
                              f"got {len(self.signal)} / {len(self.wait)} and epoch {self.epoch}")
 
 
-def _barrier_arg(barrier: FusedBarrier | None) -> bytes:
+def barrier_arg(barrier: FusedBarrier | None) -> bytes:
     """The kernels' `Barrier` parameter: 8 signal addresses, 8 wait addresses, the epoch (0: none)."""
     if barrier is None:
         return _NO_BARRIER
@@ -70,6 +73,16 @@ def _barrier_arg(barrier: FusedBarrier | None) -> bytes:
 _BARRIER = struct.Struct(f"<{2 * MAX_SOURCES + 1}Q")
 _NO_BARRIER = bytes(_BARRIER.size)
 _SOURCES = struct.Struct(f"<{MAX_SOURCES}Q")  # the kernels' `Sources` parameter: one address per message
+
+
+def sources_arg(addresses: Sequence[int]) -> bytes:
+    """The kernels' `Sources` parameter: each message's (or raw part's) address, zeros after."""
+    return _SOURCES.pack(*addresses, *[0] * (MAX_SOURCES - len(addresses)))
+
+
+def source_addresses(arg: bytes, count: int) -> list[int]:
+    """The first `count` addresses of a `Sources` parameter (`sources_arg`'s inverse)."""
+    return list(_SOURCES.unpack(arg)[:count])
 
 
 def _min_blocks(kernel: str, cfg: QuantConfig) -> int:
@@ -109,16 +122,65 @@ def _module(device_index: int, source: str):
         return Module(compile_cubin(source).path, "taco_kernels")
 
 
-def _launch(device: torch.device, source: str, name: str, warp_items: int, args: list,
+@dataclass(frozen=True)
+class Launch:
+    """One checked launch of a kernel, queued again by `__call__` with new values for the arguments
+    named in `slots` (a per-call collective's addresses as ints; sources and barrier as the bytes
+    `sources_arg` / `barrier_arg` make), on the current stream. The checks are the launching
+    function's, made once: the caller keeps the rest of the layout (sizes, dtypes, alignment of
+    every address it replaces, 16 bytes) as it was. Tensors are held as their addresses."""
+
+    kernel: Any
+    grid: int
+    device_index: int
+    args: tuple
+    slots: Mapping[str, int]
+
+    def __call__(self, **values: int | bytes) -> None:
+        args = list(self.args)
+        for name, value in values.items():
+            args[self.slots[name]] = value
+        with on_device(self.device_index):
+            self.kernel(self.grid, THREADS, args)
+
+    def value(self, name: str) -> int | bytes:
+        """The argument `name` as launched first."""
+        return self.args[self.slots[name]]
+
+
+_recorder: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar("taco_cuda_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Every launch of this module's kernels queued inside (this thread/context), in order: what a
+    collective replays for later calls of the same layout (`device.DeviceCollectives`)."""
+    launches: list[Launch] = []
+    token = _recorder.set(launches)
+    try:
+        yield launches
+    finally:
+        _recorder.reset(token)
+
+
+def _device_index(device: torch.device) -> int:
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA kernels need CUDA tensors, got {device} (use impl='reference' or the Triton kernels)")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _launch(device: torch.device, source: str, name: str, warp_items: int, args: list, slots: Mapping[str, int],
             max_blocks: int | None = None) -> None:
     """Launch kernel `name` of `source`'s cubin on `device`'s current stream, one warp per item (a
     grid of at most `max_blocks` blocks when given: the warps loop over the rest)."""
-    if device.type != "cuda":
-        raise ValueError(f"the CUDA kernels need CUDA tensors, got {device} (use impl='reference' or the Triton kernels)")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     grid = _grid(index, warp_items)
-    with on_device(index):
-        _module(index, source).kernel(name)(grid if max_blocks is None else min(grid, max_blocks), THREADS, args)
+    launch = Launch(_module(index, source).kernel(name), grid if max_blocks is None else min(grid, max_blocks), index,
+                    tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), slots)
+    launch()
+    recorded = _recorder.get()
+    if recorded is not None:
+        recorded.append(launch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,7 +254,7 @@ def compress_into(x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor, segments
     own_vec = own_out is not None and _aligned(own_out.data_ptr(), 0)
     _launch(x.device, specialization(cfg, x.dtype), "taco_compress", segments * _items(chunk),
             [x, chunk, x_stride, segments, buf, stride, int(vec), -1 if skip is None else skip,
-             0 if own_out is None else own_out.data_ptr(), int(own_vec)], max_blocks)
+             0 if own_out is None else own_out.data_ptr(), int(own_vec)], {"x": 0, "own_out": 8}, max_blocks)
     return buf
 
 
@@ -257,7 +319,7 @@ def _sources(parts: Sequence[Compressed | torch.Tensor], what: str,
         if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(f"{what}: the raw part must be a contiguous {dtype} tensor of {numel} elements, got "
                              f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    return cfg, numel, _SOURCES.pack(*addresses, *[0] * (MAX_SOURCES - len(addresses))), own[0] if own else -1
+    return cfg, numel, sources_arg(addresses), own[0] if own else -1
 
 
 def _check_result(parts: Sequence[Compressed | torch.Tensor], result: torch.Tensor, numel: int, what: str) -> None:
@@ -293,7 +355,8 @@ def gather_into(cs: Sequence[Compressed], out: torch.Tensor, barrier: FusedBarri
     if (numel and read) or barrier is not None:
         vec = _aligned(out.data_ptr(), out_stride * out.element_size())
         _launch(out.device, specialization(cfg, out.dtype), "taco_gather", read * _items(numel),
-                [ptrs, len(cs), numel, out, out_stride, int(vec), -1 if skip is None else skip, _barrier_arg(barrier)])
+                [ptrs, len(cs), numel, out, out_stride, int(vec), -1 if skip is None else skip, barrier_arg(barrier)],
+                {"sources": 0, "out": 3, "barrier": 7})
     return out
 
 
@@ -319,7 +382,7 @@ def sum_into(parts: Sequence[Compressed | torch.Tensor], out: torch.Tensor,
     if numel or barrier is not None:
         vec = _aligned(out.data_ptr(), 0) and (own < 0 or _aligned(parts[own].data_ptr(), 0))
         _launch(out.device, specialization(cfg, out.dtype, len(parts)), "taco_sum", _items(numel),
-                [ptrs, numel, out, int(vec), own, _barrier_arg(barrier)])
+                [ptrs, numel, out, int(vec), own, barrier_arg(barrier)], {"sources": 0, "out": 2, "barrier": 5})
     return out
 
 
@@ -352,7 +415,7 @@ def sum_compress_into(parts: Sequence[Compressed | torch.Tensor], dtype: torch.d
         own_vec = own_out is not None and _aligned(own_out.data_ptr(), 0)
         _launch(buf.device, specialization(cfg, dtype, len(parts)), "taco_sum_compress", _items(numel),
                 [ptrs, numel, buf, int(vec), own, 0 if own_out is None else own_out.data_ptr(), int(own_vec),
-                 _barrier_arg(barrier)])
+                 barrier_arg(barrier)], {"sources": 0, "own_out": 5, "barrier": 7})
     return buf
 
 
