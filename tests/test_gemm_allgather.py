@@ -87,6 +87,12 @@ def test_cost(wl: GemmAllGather) -> None:
     assert c.flops == 2 * 8192 * 2048 * 8192
     assert c.comm_bytes == 3 / 4 * 8192 * 8192 * 2
     assert c.memory_bytes == (8192 * 8192 + 8192 * 2048 + 8192 * 2048) * 2
+    assert c.wire_ratio == 1.0
+    # gemm-allgather-lossy: the same work, but its floor's link term counts A's rows as FP8 with a
+    # scale per 512 values (the most compressed gather its tolerance admits)
+    lossy = get_workload("gemm-allgather-lossy").cost(s, 4)
+    assert (lossy.flops, lossy.comm_bytes, lossy.memory_bytes) == (c.flops, c.comm_bytes, c.memory_bytes)
+    assert lossy.comm_bytes * lossy.wire_ratio == pytest.approx(3 / 4 * 8192 * (8192 + 4 * 16))
 
 
 # -- data and reference ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from cuda_host import nvcc_host_build, run_host_check, toolchain_or_skip
 from program_jobs import check_on_gpus
+from commweave.evaluate.floor import MachineRates, floor_s
 from commweave.evaluate.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
@@ -464,11 +465,14 @@ def test_cost(wl: MoELayer) -> None:
     assert skewed.flops == pytest.approx(c.flops * 4 * 5 / 8)  # the hot rank gets 5/8 of all pairs
     decode = wl.cost(wl.parse_shape("dsv3-T128", 4), 4)
     assert decode.memory_bytes >= 64 * 3 * 7168 * 2048 * 2  # decode reads every local expert's weights
-    # moe-lossy's floor: rows in FP8 with a scale per 512 values both ways (a lower bound for FP8 dispatch)
+    assert c.wire_ratio == 1.0
+    # moe-lossy: the same bf16 bytes (the cost model compresses them itself), but its floor's link
+    # term counts rows in FP8 with a scale per 512 values both ways (a lower bound for FP8 dispatch)
     lossy = MoELayerLossy().cost(s, 4)
-    assert lossy.comm_bytes == pytest.approx(2 * pairs * 3 / 4 * (7168 + 4 * 14))
-    assert (lossy.flops, lossy.memory_bytes) == (c.flops, c.memory_bytes)
-    assert MoELayerLossy().comm_yardsticks == ()  # its FP8 bytes are not what the bf16 exchange moves
+    assert (lossy.flops, lossy.comm_bytes, lossy.memory_bytes) == (c.flops, c.comm_bytes, c.memory_bytes)
+    assert lossy.comm_bytes * lossy.wire_ratio == pytest.approx(2 * pairs * 3 / 4 * (7168 + 4 * 14))
+    rates = MachineRates(matmul_flops_per_s=1e30, hbm_bytes_per_s=1e30)  # the link term alone
+    assert floor_s(lossy, rates) == pytest.approx(floor_s(c, rates) * (7168 + 56) / (2 * 7168))
 
 
 # -- data and reference ---------------------------------------------------------------------------

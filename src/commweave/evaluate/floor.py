@@ -26,7 +26,7 @@ class MachineRates:
 
 def floor_s(cost: Cost, rates: MachineRates) -> float:
     """The time the busiest resource needs, assuming perfect overlap of the others."""
-    return max(cost.flops / rates.matmul_flops_per_s, cost.comm_bytes / rates.link_bytes_per_s,
+    return max(cost.flops / rates.matmul_flops_per_s, cost.comm_bytes * cost.wire_ratio / rates.link_bytes_per_s,
                cost.memory_bytes / rates.hbm_bytes_per_s)
 
 

@@ -23,6 +23,16 @@ import torch
 LOSSY_TOLERANCE = 0.04
 
 
+def lossy_wire_ratio(values: int, item_bytes: int) -> float:
+    """`Cost.wire_ratio` of rows of `values` elements of `item_bytes` each under LOSSY_TOLERANCE:
+    FP8 with one FP32 scale per 512 values (the largest group the kernels take), the most
+    compressed exchange that tolerance admits, so the floor stays a lower bound for every admitted
+    program."""
+    from commweave.taco.quant import MAX_GROUP
+
+    return (values + 4 * -(-values // MAX_GROUP)) / (values * item_bytes)
+
+
 def seeded_generator(device: torch.device, *key: int) -> torch.Generator:
     """A generator determined by `key` (seed, stream, rank, ...): any rank can redraw any other
     rank's inputs, so references are computed from pristine data, never from a program's tensors."""
@@ -53,8 +63,12 @@ class Cost:
     """Per-rank work of one call, for the physical floor."""
 
     flops: float = 0.0  # matrix-unit floating-point operations
-    comm_bytes: float = 0.0  # bytes this rank must receive from peers
+    comm_bytes: float = 0.0  # bytes this rank must receive from peers, in the workload's dtype
     memory_bytes: float = 0.0  # bytes this rank must move through its own HBM (each read/write once)
+    #: the fewest bytes a program the workload admits can send per byte of comm_bytes (the floor's
+    #: link term): 1 when the data must arrive exactly, less where a tolerance admits compression
+    #: (`lossy_wire_ratio`); the search's cost model compresses comm_bytes itself
+    wire_ratio: float = 1.0
 
 
 class Workload(ABC):

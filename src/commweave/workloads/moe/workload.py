@@ -25,8 +25,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from commweave.taco.quant import MAX_GROUP
-from commweave.workloads.base import LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
+from commweave.workloads.base import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
+                                      lossy_wire_ratio, seeded_generator)
 from commweave.workloads.moe import routing
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
@@ -164,16 +164,15 @@ class MoELayer(Workload):
         pairs_in = [w * t * k * s for s in shares]  # rows each rank's experts process
         flops = max(2.0 * p * 3 * h * i for p in pairs_in)
         # dispatch: rows from the W-1 other sources; combine: this rank's rows computed elsewhere
-        row = self.wire_row_bytes(h)
-        comm = max(p * (w - 1) / w * row + t * k * (1 - s) * row for p, s in zip(pairs_in, shares))
+        comm = max(p * (w - 1) / w * h * item + t * k * (1 - s) * h * item for p, s in zip(pairs_in, shares))
         per_rank = e // w
         used = [min(per_rank, p) for p in pairs_in]  # experts that can be used at most
         memory = max(u * 3 * h * i * item + 4 * p * h * item + 2 * t * h * item for u, p in zip(used, pairs_in))
-        return Cost(flops=flops, comm_bytes=comm, memory_bytes=memory)
+        return Cost(flops=flops, comm_bytes=comm, memory_bytes=memory, wire_ratio=self.wire_ratio(h, item))
 
-    def wire_row_bytes(self, hidden: int) -> float:
-        """The fewest bytes a token row can cross a link in, for the floor: bf16 here."""
-        return hidden * torch.empty((), dtype=self.dtype).element_size()
+    def wire_ratio(self, hidden: int, item_bytes: int) -> float:
+        """`Cost.wire_ratio` of token rows: exact bf16 here."""
+        return 1.0
 
     def template(self):
         from commweave.workloads.moe.template import make_template
@@ -212,14 +211,9 @@ class MoELayerLossy(MoELayer):
 
     name = "moe-lossy"
     summary = "moe accepting 4% relative error: FP8 E4M3 dispatch of the tokens admitted"
-    #: the exchange yardstick moves bf16 rows, and cost() here counts FP8 ones: no bandwidth from them
-    comm_yardsticks = ()
-
     def tolerance(self) -> float:
         return LOSSY_TOLERANCE
 
-    def wire_row_bytes(self, hidden: int) -> float:
-        """FP8 with one FP32 scale per 512 values (the largest group the kernels take), in both
-        directions: the floor assumes the most compressed exchange the tolerance admits, so it stays
-        a lower bound for every admitted program (the seed compresses the dispatch only)."""
-        return hidden + 4 * -(-hidden // MAX_GROUP)
+    def wire_ratio(self, hidden: int, item_bytes: int) -> float:
+        """`lossy_wire_ratio` of a row, in both directions (the seed compresses the dispatch only)."""
+        return lossy_wire_ratio(hidden, item_bytes)
