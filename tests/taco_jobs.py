@@ -180,10 +180,12 @@ class FakeNode:
     """W ranks in one process (one thread each): every rank's buffers in one dict, a threading
     barrier, per-piece flags (pipelined calls), and a log of who wrote / read whose buffer in which
     barrier epoch and call, from which `hazards()` finds missing barriers or flag waits whatever
-    the threads' timing."""
+    the threads' timing. On a CUDA `device` the buffers are that GPU's memory and a barrier first
+    waits for the GPU (every rank's queued writes done before any rank queues a read)."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, device: str | torch.device = "cpu"):
         self.world = world
+        self.device = torch.device(device)
         self._barrier = threading.Barrier(world)
         self._lock = threading.Lock()
         self._flags_changed = threading.Condition(self._lock)
@@ -233,7 +235,7 @@ class FakeTransport:
     """One simulated rank's view of a FakeNode (the Transport protocol)."""
 
     def __init__(self, node: FakeNode, rank: int):
-        self.node, self.rank, self.world_size, self.device = node, rank, node.world, torch.device("cpu")
+        self.node, self.rank, self.world_size, self.device = node, rank, node.world, node.device
         self.epoch = 0
         self.uses: dict[Hashable, int] = defaultdict(int)  # calls that took each buffer so far
         self.synced: set[int] = set()  # ranks whose flags this rank waited on since its last barrier
@@ -246,7 +248,7 @@ class FakeTransport:
             node.allocations[self.rank].append((key, nbytes))
             new = (self.rank, key) not in node.buffers
             if new:  # garbage, not zeros: reading unwritten bytes shows
-                node.buffers[(self.rank, key)] = torch.full((nbytes,), 0x7F, dtype=torch.uint8)
+                node.buffers[(self.rank, key)] = torch.full((nbytes,), 0x7F, dtype=torch.uint8, device=node.device)
             buf = node.buffers[(self.rank, key)]
         if new:  # collective, as a symmetric allocation: every rank's buffer exists after it (not a
             node._barrier.wait(timeout=60)  # barrier epoch: the hazard log does not count on it)
@@ -260,6 +262,8 @@ class FakeTransport:
     def barrier(self) -> None:
         self.epoch += 1
         self.synced.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.node._barrier.wait(timeout=60)
 
     def fused_barrier(self, epoch: int) -> FusedBarrier:
@@ -431,6 +435,39 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False,
     backend.close()
     ctx.end_candidate()
     return out
+
+
+def simulated_ranks_on_one_gpu(cases: list[Case], world: int, double_buffer: bool, passes: int = 2) -> dict:
+    """The CUDA codec's collectives for W ranks simulated as threads on this one GPU (FakeNode on
+    CUDA: peers' buffers are this GPU's memory, barriers wait for the GPU and the other threads):
+    the real kernels and the replayed launches at W > 1 without W GPUs. Each rank runs the cases
+    `passes` times (later passes replay what the first recorded). Returns, per rank, each pass's
+    results (on CPU) and how many layouts were replayable."""
+    from commweave.taco.device import CudaCodec
+
+    node = FakeNode(world, "cuda")
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            coll = DeviceCollectives(FakeTransport(node, rank), CudaCodec(), double_buffer)
+            runs = [[run_case(device_call(coll), c, world, rank, node.device).cpu() for c in cases]
+                    for _ in range(passes)]
+            results[rank] = {"passes": runs, "replayable": sum(v is not None for v in coll._replays.values())}
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+            node._barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+    return {"ranks": results}
 
 
 class SerializedCodec:

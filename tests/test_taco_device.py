@@ -444,6 +444,23 @@ def test_device_backend_on_gpus_equals_the_reference_over_nccl(world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+def test_cuda_codec_for_simulated_ranks_on_one_gpu_equals_the_reference(reference, double_buffer):
+    """W = 1, 2, 4 ranks as threads on one GPU (peers' buffers in its memory, barriers through the
+    host): the CUDA kernels and the launches replayed after each layout's first calls equal the
+    reference backend bit for bit, every case twice over."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    world, expected = reference
+    got = taco_jobs.simulated_ranks_on_one_gpu(CASES, world, double_buffer)["ranks"]
+    for rank in range(world):
+        for n, results in enumerate(got[rank]["passes"]):
+            for i, case in enumerate(CASES):
+                assert taco_jobs.same_bits(results[i], expected[rank][i]), (rank, n, i, case)
+        assert world == 1 or got[rank]["replayable"] > 0
+
+
+@pytest.mark.gpu
 def test_pipelined_path_on_one_gpu():
     """One rank: every op, pipelined (side stream, stream-memory flags, piece-wise kernels on strided
     views) or whole, equals the reference bit for bit, call after call (a reduce-scatter's sum is its
