@@ -445,7 +445,7 @@ def simulated_ranks_on_one_gpu(cases: list[Case], world: int, double_buffer: boo
     results (on CPU) and how many layouts were replayable."""
     from commweave.taco.device import CudaCodec
 
-    node = FakeNode(world, "cuda")
+    node = FakeNode(world, torch.device("cuda", torch.cuda.current_device()))  # with its index, as tensors have
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import itertools
 import struct
 import threading
@@ -58,7 +57,6 @@ class LaunchError(RuntimeError):
     """A kernel could not be loaded or launched (bad arguments, driver error)."""
 
 
-@functools.cache  # an import statement per launch is a measurable share of a per-call collective's host time
 def _driver():
     try:
         from cuda.bindings import driver
@@ -182,7 +180,6 @@ class Kernel:
         self._pointers_address = ctypes.addressof(self._pointers)
         self._lock = threading.Lock()  # one launch at a time fills the shared buffer
         self._packers: dict[tuple[type, ...], _Packer | None] = {}
-        self._streams: dict[int, Any] = {}  # stream handle -> the driver's CUstream of it
 
     def _packer(self, kinds: tuple[type, ...]) -> _Packer | None:
         """The struct for arguments of these types (the types a call site passes do not change
@@ -240,12 +237,9 @@ class Kernel:
         handle = stream.cuda_stream if stream is not None else current_stream_handle()
         drv = _driver()
         with self._lock:
-            cu_stream = self._streams.get(handle)
-            if cu_stream is None:
-                cu_stream = self._streams[handle] = drv.CUstream(handle)
             self._fill(args)
-            _check(drv.cuLaunchKernel(self.function, *g, *b, shared_mem, cu_stream, self._pointers_address, 0),
-                   f"cuLaunchKernel({self.name})")
+            _check(drv.cuLaunchKernel(self.function, *g, *b, shared_mem, drv.CUstream(handle),
+                                      self._pointers_address, 0), f"cuLaunchKernel({self.name})")
 
     __call__ = launch
 
