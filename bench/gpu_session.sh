@@ -2,6 +2,7 @@
 # One GPU-machine cycle: environment the brief requires, then each step given on the command line
 # ("tests [PYTEST ARGS]", "bench WORKLOAD GPUS [ARGS]", "py SCRIPT [ARGS]"), each logged under $OUT.
 # Usage on the device: bash bench/gpu_session.sh 'tests -m gpu' 'bench moe 4'
+# More than 8 files under $OUT (what the device tool returns at most) are archived into $OUT/gpu-session.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,3 +25,8 @@ for step in "$@"; do
   echo "[$step] rc=$rc $(( $(date +%s) - start ))s" | tee -a "$summary"
   tail -25 "$log"
 done
+# the device tool returns at most 8 files: past that, everything in $OUT goes into one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar -czf /tmp/gpu-session.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -not -name summary.txt -delete \
+    && mv /tmp/gpu-session.tgz "$OUT/" && echo "results archived: $OUT/gpu-session.tgz"
+fi

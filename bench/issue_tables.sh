@@ -4,14 +4,18 @@
 #   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 comm      # TACO, MoE (~7 min)
 #   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 compute   # attention, KV transfer, GEMM (~9 min)
 #   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 lossy     # FP8 options: GEMM gather, MoE dispatch (~3 min)
-# Each step has its own time limit (rc 124: it ran out) and log under $OUT; summary.txt lists them.
+# Each step has its own time limit (rc 124: it ran out) and log; summary.txt lists them. The device
+# tool returns at most 8 files, so every log, JSON and plot goes into one archive,
+# $OUT/issue-tables-<part>-<W>gpu.tgz (unpack it here: JSON and plots to bench/results, logs to bench/logs), with
+# summary.txt beside it.
 set -u
 W="${1:?usage: issue_tables.sh GPUS comm|compute|lossy}"
 PART="${2:?usage: issue_tables.sh GPUS comm|compute|lossy}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 export COMMWEAVE_COMMIT="${COMMWEAVE_COMMIT:-unknown}"
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+RETURN="${OUT:-/tmp/out}"; mkdir -p "$RETURN"
+OUT="/tmp/issue-tables-$PART-${W}gpu"; rm -rf "$OUT"; mkdir -p "$OUT"  # staged, archived at the end
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -47,4 +51,6 @@ case "$PART" in
     step gemm 180 python -m commweave.cli bench gemm-allgather --gpus "$W" --out-dir "$OUT" ;;
   *) echo "part must be comm, compute or lossy, not $PART" >&2; exit 2 ;;
 esac
-echo "==== summary"; cat "$OUT/summary.txt"
+tar -czf "$RETURN/issue-tables-$PART-${W}gpu.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$RETURN/"
+echo "==== summary ($(tar -tzf "$RETURN/issue-tables-$PART-${W}gpu.tgz" | grep -c -v '/$') files in $RETURN/issue-tables-$PART-${W}gpu.tgz)"
+cat "$OUT/summary.txt"
