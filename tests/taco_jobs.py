@@ -335,19 +335,21 @@ class TracingCodec:
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
-             codec: Any = None, pieces: int = 1, fuse_barriers: bool = False) -> tuple[list[Any], FakeNode]:
+             codec: Any = None, pieces: int = 1, fuse_barriers: bool = False, device: str | torch.device = "cpu",
+             trace: bool = True) -> tuple[list[Any], FakeNode]:
     """Run body(collectives, rank) for W simulated ranks in threads; their results and the node
-    (`fuse_barriers`: the read barriers handed to the codec, see TracingCodec). An exception on one
-    rank breaks the barrier (the others fail too) and is re-raised."""
-    node = FakeNode(world)
+    (`fuse_barriers`: the read barriers handed to the codec, see TracingCodec; `trace=False`: the
+    codec itself, without the hazard log, e.g. the CUDA codec whose launches are replayed only
+    unwrapped). An exception on one rank breaks the barrier (the others fail too) and is re-raised."""
+    node = FakeNode(world, device)
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         t = FakeTransport(node, rank)
         try:
-            traced = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers)
-            results[rank] = body(DeviceCollectives(t, traced, double_buffer, pieces), rank)
+            used = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers) if trace else codec
+            results[rank] = body(DeviceCollectives(t, used, double_buffer, pieces), rank)
         except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append(e)
             node._barrier.abort()
@@ -361,6 +363,24 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
     if real or errors:
         raise (real or errors)[0]
     return results, node
+
+
+def simulated_ranks_on_one_gpu(cases: list[Case], world: int, double_buffer: bool, passes: int = 2) -> list[dict]:
+    """The CUDA codec's collectives for W ranks simulated as threads on this one GPU (FakeNode on
+    CUDA: peers' buffers are this GPU's memory, barriers wait for the GPU and the other threads):
+    the real kernels and the replayed launches at W > 1 without W GPUs. Each rank runs the cases
+    `passes` times (later passes replay what the first recorded). Returns, per rank, each pass's
+    results (on CPU) and how many layouts were replayable."""
+    from commweave.taco.device import CudaCodec
+
+    gpu = torch.device("cuda", torch.cuda.current_device())  # with its index, as tensors have
+
+    def body(coll: DeviceCollectives, rank: int) -> dict:
+        runs = [[run_case(device_call(coll), c, world, rank, gpu).cpu() for c in cases] for _ in range(passes)]
+        return {"passes": runs, "replayable": sum(v is not None for v in coll._replays.values())}
+
+    results, _ = simulate(world, body, double_buffer, CudaCodec(), device=gpu, trace=False)
+    return results
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -435,39 +455,6 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False,
     backend.close()
     ctx.end_candidate()
     return out
-
-
-def simulated_ranks_on_one_gpu(cases: list[Case], world: int, double_buffer: bool, passes: int = 2) -> dict:
-    """The CUDA codec's collectives for W ranks simulated as threads on this one GPU (FakeNode on
-    CUDA: peers' buffers are this GPU's memory, barriers wait for the GPU and the other threads):
-    the real kernels and the replayed launches at W > 1 without W GPUs. Each rank runs the cases
-    `passes` times (later passes replay what the first recorded). Returns, per rank, each pass's
-    results (on CPU) and how many layouts were replayable."""
-    from commweave.taco.device import CudaCodec
-
-    node = FakeNode(world, torch.device("cuda", torch.cuda.current_device()))  # with its index, as tensors have
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            coll = DeviceCollectives(FakeTransport(node, rank), CudaCodec(), double_buffer)
-            runs = [[run_case(device_call(coll), c, world, rank, node.device).cpu() for c in cases]
-                    for _ in range(passes)]
-            results[rank] = {"passes": runs, "replayable": sum(v is not None for v in coll._replays.values())}
-        except BaseException as e:  # noqa: BLE001  (reported below)
-            errors.append(e)
-            node._barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if real or errors:
-        raise (real or errors)[0]
-    return {"ranks": results}
 
 
 class SerializedCodec:

@@ -452,7 +452,7 @@ def test_cuda_codec_for_simulated_ranks_on_one_gpu_equals_the_reference(referenc
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     world, expected = reference
-    got = taco_jobs.simulated_ranks_on_one_gpu(CASES, world, double_buffer)["ranks"]
+    got = taco_jobs.simulated_ranks_on_one_gpu(CASES, world, double_buffer)
     for rank in range(world):
         for n, results in enumerate(got[rank]["passes"]):
             for i, case in enumerate(CASES):
