@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 case "$PART" in
   comm)
-    step taco-tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_taco_device.py -k "not simulated"
+    step taco-tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_taco_device.py -k "not simulated and not bandwidth"
     step taco-bandwidth 90 python bench/taco_bandwidth.py --gpus "$W" --mibs 1 2 4 8 16 32 64 128 256 \
       --codecs cuda cuda-fused --out-dir "$OUT"
     step taco-train 120 python bench/taco_train.py --gpus "$W" --backend device --out-dir "$OUT"
