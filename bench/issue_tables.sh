@@ -15,7 +15,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 export COMMWEAVE_COMMIT="${COMMWEAVE_COMMIT:-unknown}"
 RETURN="${OUT:-/tmp/out}"; mkdir -p "$RETURN"
-OUT="/tmp/issue-tables-$PART-${W}gpu"; rm -rf "$OUT"; mkdir -p "$OUT"  # staged, archived at the end
+OUT="/tmp/issue-tables-$PART-${W}gpu"; rm -rf "$OUT"; mkdir -p "$OUT"  # staged, archived after each step
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -23,11 +23,16 @@ step() {  # step NAME SECONDS COMMAND...
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "[$name] rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   grep -v "Warning\|warnings.warn" "$OUT/$name.log" | tail -20
+  archive  # after every step: what ran is back even if the call is stopped at its time limit
+}
+
+archive() {
+  tar -czf "$RETURN/issue-tables-$PART-${W}gpu.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$RETURN/"
 }
 
 case "$PART" in
   comm)
-    step taco-tests 120 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_taco_device.py -k "not simulated and not bandwidth"
+    step taco-tests 150 python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_taco_device.py -k "not simulated and not bandwidth"
     step taco-bandwidth 90 python bench/taco_bandwidth.py --gpus "$W" --mibs 1 2 4 8 16 32 64 128 256 \
       --codecs cuda cuda-fused --out-dir "$OUT"
     step taco-train 120 python bench/taco_train.py --gpus "$W" --backend device --out-dir "$OUT"
@@ -51,6 +56,6 @@ case "$PART" in
     step gemm 180 python -m commweave.cli bench gemm-allgather --gpus "$W" --out-dir "$OUT" ;;
   *) echo "part must be comm, compute or lossy, not $PART" >&2; exit 2 ;;
 esac
-tar -czf "$RETURN/issue-tables-$PART-${W}gpu.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$RETURN/"
+archive
 echo "==== summary ($(tar -tzf "$RETURN/issue-tables-$PART-${W}gpu.tgz" | grep -c -v '/$') files in $RETURN/issue-tables-$PART-${W}gpu.tgz)"
 cat "$OUT/summary.txt"

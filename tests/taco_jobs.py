@@ -236,6 +236,7 @@ class FakeTransport:
 
     def __init__(self, node: FakeNode, rank: int):
         self.node, self.rank, self.world_size, self.device = node, rank, node.world, node.device
+        self.captured = False  # set by a test: this rank's calls count as captured into a CUDA graph
         self.epoch = 0
         self.uses: dict[Hashable, int] = defaultdict(int)  # calls that took each buffer so far
         self.synced: set[int] = set()  # ranks whose flags this rank waited on since its last barrier
@@ -265,6 +266,9 @@ class FakeTransport:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.node._barrier.wait(timeout=60)
+
+    def capturing(self) -> bool:
+        return self.captured
 
     def fused_barrier(self, epoch: int) -> FusedBarrier:
         """A token: the TracingCodec that receives it runs `barrier()` right before its reads."""
@@ -452,6 +456,49 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False,
                 diff = float((dev.float() - other.float()).abs().max()) if dev.shape == other.shape else float("nan")
                 out["mismatches"].append(f"case {i} {case}: differs from {what} (max |diff| {diff:.3g})")
     out["epochs"] = backend.collectives(torch.empty(1, device=ctx.device)).epoch
+    backend.close()
+    ctx.end_candidate()
+    return out
+
+
+def device_in_cuda_graph_gpu(ctx, cases: list[Case], fuse_barriers: bool = False) -> dict:
+    """The device backend captured in a CUDA graph, as a model whose step is captured calls it (the
+    shapes fixed, the inputs copied into static tensors): per case, eager calls first, then one
+    capture on torch's capture stream, then replays with fresh inputs, each equal to the reference
+    backend over NCCL bit for bit (with fused barriers, the captured calls queue barrier kernels)."""
+    from commweave.taco.device import DeviceBackend
+
+    world, rank = ctx.world_size, ctx.rank
+    backend = DeviceBackend(ctx, fuse_barriers=fuse_barriers)
+    call = device_call(backend)
+    out: dict[str, Any] = {"mismatches": [], "replays": 0}
+    for i, case in enumerate(cases):
+        cfg = QuantConfig(**case[1])
+        static = case_input(case, world, rank, ctx.device)
+        for _ in range(3):  # eager first: buffers allocated, launches recorded, as a warm-up would
+            call(case[0], static, cfg)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = call(case[0], static, cfg)
+        for seed in range(3):  # new data each replay (every rank alike: a collective)
+            fresh = (case[0], case[1], case[2], case[3], case[4] * 100 + seed + 1)
+            static.copy_(case_input(fresh, world, rank, ctx.device))
+            graph.replay()
+            ref = run_case(reference_call, fresh, world, rank, ctx.device)
+            torch.cuda.synchronize()
+            out["replays"] += 1
+            if not same_bits(result, ref):
+                diff = float((result.float() - ref.float()).abs().max()) if result.shape == ref.shape else float("nan")
+                out["mismatches"].append(f"case {i} {case} replay {seed}: differs from the reference (max |diff| {diff:.3g})")
+        del graph
+    fresh_layout = case_input(cases[0], world, rank, ctx.device)[:1]  # a shape no call has had
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call(cases[0][0], fresh_layout, QuantConfig(**cases[0][1]))
+        out["fresh_layout_refused"] = False
+    except ValueError as e:
+        out["fresh_layout_refused"] = "before capturing" in str(e)
     backend.close()
     ctx.end_candidate()
     return out

@@ -235,6 +235,48 @@ def test_pieces_plan(monkeypatch):
         device.DeviceBackend(pieces=0)
 
 
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+def test_captured_calls_always_barrier_before_writing_and_so_do_later_writes_of_what_they_read(double_buffer,
+                                                                                             monkeypatch):
+    """A CUDA graph replays a captured call any number of times later, unseen by the lazy rule: a
+    captured call barriers before its write, and so does every later write (eager too) of a buffer
+    a captured call read; the results stay the reference's, with no hazard. A pipelined call under
+    capture is refused with the reason."""
+    x = torch.randn(4, 128)
+    cfg = QuantConfig()
+
+    def body(coll, rank):
+        def barriers_of_a_call(captured: bool) -> int:
+            coll.t.captured = captured
+            before = coll.barriers
+            coll.all_gather(x * (rank + 1), cfg)
+            return coll.barriers - before
+
+        eager = [barriers_of_a_call(False) for _ in range(2)]
+        captured = barriers_of_a_call(True)
+        after = [barriers_of_a_call(False) for _ in range(3)]
+        return eager, captured, after
+
+    got, node = taco_jobs.simulate(2, body, double_buffer)
+    eager, captured, after = got[0]
+    assert captured == 2  # the rewrite barrier, then the read barrier
+    if double_buffer:  # the captured call took buffer 0: its later writes barrier first, buffer 1 keeps the rule
+        assert eager == [1, 1] and after == [1, 2, 1]
+    else:  # one buffer, read by the captured call: every later write barriers first
+        assert eager == [1, 2] and after == [2, 2, 2]
+    assert got[1] == got[0] and node.hazards() == []
+
+    monkeypatch.setattr(device, "MIN_PIECE", 1024)
+
+    def pipelined(coll, rank):
+        coll.t.captured = True
+        with pytest.raises(ValueError, match="cannot be captured in a CUDA graph"):
+            coll.all_gather(torch.randn(8, 512), cfg)
+        return True
+
+    assert taco_jobs.simulate(1, pipelined, pieces=4)[0] == [True]
+
+
 def test_a_missing_barrier_is_caught_by_the_hazard_log():
     """The checker is not vacuous: without the barrier before rewriting, it reports the race."""
     x = torch.randn(4, 128)
@@ -290,6 +332,9 @@ class _SharedBuffers:
 
             def barrier(self):
                 pass
+
+            def capturing(self):
+                return False
 
             def fused_barrier(self, epoch):
                 others = [p for p in range(shared.world) if p != rank]
@@ -458,6 +503,20 @@ def test_cuda_codec_for_simulated_ranks_on_one_gpu_equals_the_reference(referenc
             for i, case in enumerate(CASES):
                 assert taco_jobs.same_bits(results[i], expected[rank][i]), (rank, n, i, case)
         assert world == 1 or got[rank]["replayable"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_device_backend_captured_in_a_cuda_graph_equals_the_reference(world):
+    """Captured after eager calls, replayed with fresh inputs: every op (queued and fused barriers)
+    equals the reference over NCCL bit for bit, replay after replay."""
+    cases = CASES[:12]  # every op, ragged sizes, repeats
+    with _gpu_pool(world) as pool:
+        for fuse in (False, True):
+            for value in _ok(pool.run("taco_jobs:device_in_cuda_graph_gpu", cases=cases, fuse_barriers=fuse)):
+                assert value["mismatches"] == [], (fuse, value["mismatches"])
+                assert value["replays"] == 3 * len(cases)
+                assert value["fresh_layout_refused"]  # its windows cannot be allocated under capture
 
 
 @pytest.mark.gpu

@@ -64,6 +64,14 @@ depends only on the call's layout. So the first call per (op, shape, dtype, cfg,
 own parts, the barrier) between the same barriers. The launches are byte for byte the checked
 path's (the CPU tests compare them).
 
+CUDA graphs: a captured call is replayed any number of times, later, with no host bookkeeping, so
+the lazy rule above cannot know what ran since. Under capture every write is preceded by its
+rewrite barrier, and a buffer a captured call read gets one before every later write too (eager
+or captured); the transport does not order the capture stream after the previous call's stream
+(waiting on uncaptured work is illegal in a capture; torch.cuda.graph synchronizes the device
+before it captures); fused barriers become barrier kernels (their epoch is a host value). Pipelined
+calls are refused under capture (their flags' epoch is a host value too).
+
 Collective: every call, and the first call per (op, shape, dtype, cfg) allocates symmetric buffers
 (`ctx.symmetric`, collective): all ranks make the same calls in the same order with the same
 shapes, dtypes and configs, as with any torch.distributed collective. Buffers are kept per
@@ -95,6 +103,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_PIECES = 8  # per message; two-shot uses two sets of slots
 PIECE_ALIGN = 1024  # elements: a CUDA work item, a multiple of every group size
 MIN_PIECE = 1 << 20  # elements: below this a piece's launches cost more than the overlap saves
+ANY_TIME = -1  # _read_at of a buffer a captured call read: a graph replay may read it at any time
 FLAG_SLOTS = 2 * MAX_PIECES  # per source rank: pipelined pieces
 BARRIER_SLOT = FLAG_SLOTS  # per source rank: the fused barriers' flag word
 
@@ -116,6 +125,10 @@ class Transport(Protocol):
 
     def barrier(self) -> None:
         """All ranks: writes issued before it are visible to reads issued after it, everywhere."""
+        ...
+
+    def capturing(self) -> bool:
+        """Work queued now goes into a CUDA graph (replayed later, any number of times)."""
         ...
 
     def fused_barrier(self, epoch: int) -> FusedBarrier | None:
@@ -343,6 +356,9 @@ class DeviceCollectives:
         """Piece k: `produce(k)` beside the caller's stream, then published to `to_ranks`; on the
         caller's stream, wait for piece k of `from_ranks`, then `consume(k)`. Consuming piece k
         (NVLink reads) overlaps producing piece k + 1 (compression)."""
+        if self.t.capturing():
+            raise ValueError("a pipelined collective (pieces > 1) cannot be captured in a CUDA graph: its flags "
+                             "carry the call's number, a host value every replay would repeat; use pieces=1")
         with self.t.side():
             for k in range(n):
                 produce(k)
@@ -370,15 +386,21 @@ class DeviceCollectives:
 
     def _buffer(self, op: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig,
                 nbytes: int) -> tuple[Hashable, torch.Tensor]:
-        """This call's buffer, and a barrier first if peers may still read its last contents."""
+        """This call's buffer, and a barrier first if peers may still read its last contents (under
+        capture always: a replay's reads of it have no host record)."""
         base = (op, shape, dtype, cfg)
         parity = self._parity(base)
         self._calls[base] += 1
         key = (*base, parity)
         buf = self.t.buffer(key, nbytes)
-        if self._read_at.get(key) == self.barriers:
+        if self._read_at.get(key) in (self.barriers, ANY_TIME) or self.t.capturing():
             self._barrier()
         return key, buf
+
+    def _read(self, key: Hashable) -> None:
+        """Peers have read `key`'s buffer up to now: its next write needs a barrier unless one comes
+        first (captured: always, see the module docstring)."""
+        self._read_at[key] = ANY_TIME if self.t.capturing() else self.barriers
 
     def _parity(self, base: tuple) -> int:
         """Which of a double-buffered (op, shape, dtype, cfg)'s two buffers its next call takes."""
@@ -469,7 +491,7 @@ class DeviceCollectives:
                 key = self._exchange("all_gather", x, cfg,
                                      lambda ms, lo, hi, bar: self.codec.gather_into(ms, rows[:, lo:hi], bar, skip=rank),
                                      own_out=rows[rank])
-        self._read_at[key] = self.barriers
+        self._read(key)
         return out.view(world * x.shape[0], *x.shape[1:])
 
     def _scatter(self, op: str, x: torch.Tensor, cfg: QuantConfig,
@@ -532,7 +554,7 @@ class DeviceCollectives:
             with self._recording(replay_key, "taco_compress", "taco_sum"):
                 key = self._scatter("reduce_scatter", x, cfg,
                                     lambda k, parts, lo, hi, bar: self.codec.sum_into(parts, flat[lo:hi], bar))
-        self._read_at[key] = self.barriers
+        self._read(key)
         return out
 
     def _sum_with_own(self, launch: Launch, own: int, **values: int | bytes) -> None:
@@ -565,7 +587,7 @@ class DeviceCollectives:
                 with self._recording(replay_key, "taco_compress", "taco_sum"):
                     key = self._exchange("one_shot", x, cfg,
                                          lambda ms, lo, hi, bar: self.codec.sum_into(ms, out_flat[lo:hi], bar))
-            self._read_at[key] = self.barriers
+            self._read(key)
             return out
         flat = x.reshape(-1)
         per_rank = -(-flat.numel() // (world * cfg.group_size)) * cfg.group_size
@@ -592,9 +614,9 @@ class DeviceCollectives:
         barrier = barrier_arg(self._read_barrier())
         key2, _ = self._buffer("two_shot_gather", (1, per_rank), padded.dtype, cfg, stride)
         self._sum_with_own(requantize, padded.data_ptr() + own, own_out=full.data_ptr() + own, barrier=barrier)
-        self._read_at[key1] = self.barriers
+        self._read(key1)
         gather(out=full.data_ptr(), barrier=barrier_arg(self._read_barrier()))
-        self._read_at[key2] = self.barriers
+        self._read(key2)
 
     def _two_shot(self, padded: torch.Tensor, full: torch.Tensor, cfg: QuantConfig) -> None:
         """Two-shot all-reduce of `padded` ([W, per_rank], whole groups per rank) into `full` (the
@@ -620,7 +642,7 @@ class DeviceCollectives:
                 self.t.publish(MAX_PIECES + k, self.epoch, everyone)
 
         key1 = self._scatter("two_shot_scatter", padded, cfg, requantize)  # phase 1: a reduce-scatter's exchange
-        self._read_at[key1] = self.barriers
+        self._read(key1)
         key2, buf2 = phase2["key"], phase2["buf"]
         barrier = self._read_barrier() if n == 1 else None
         for k in range(n):  # phase 2: an all-gather of the requantized pieces (pipelined: as they are published)
@@ -628,11 +650,11 @@ class DeviceCollectives:
                 self.t.wait(MAX_PIECES + k, self.epoch, everyone)
             self.codec.gather_into(self._messages(buf2, k * stride, k * stride + wire, (piece,), padded.dtype, cfg),
                                    full[:, k * piece:(k + 1) * piece], barrier, skip=self.t.rank)
-        self._read_at[key2] = self.barriers
+        self._read(key2)
 
     def close(self) -> None:
         """Collective: a last barrier if peers may still be reading, so buffers can be released."""
-        if any(at == self.barriers for at in self._read_at.values()):
+        if any(at in (self.barriers, ANY_TIME) for at in self._read_at.values()):
             self._barrier()
         self._views.clear()
         self._replays.clear()
@@ -671,13 +693,19 @@ class WindowTransport:
         self._flag_peers: list[int] = []  # each rank's flags' address, as mapped here
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
-        if self._stream is None or current_stream_handle(self.device.index) != self._stream.cuda_stream:
+        capturing = self.capturing()
+        if key not in self._buffers:
+            if capturing:
+                raise ValueError("the first call of a collective's layout allocates symmetric windows, which a CUDA "
+                                 "graph capture cannot do: make that call once before capturing (a warm-up)")
+            self._buffers[key] = self.ctx.symmetric(nbytes, torch.uint8, zero=False)  # collective
+        # the previous call's reads of our windows come first; not under capture, where waiting on
+        # uncaptured work is illegal (torch synchronizes the device before it captures)
+        if not capturing and (self._stream is None or current_stream_handle(self.device.index) != self._stream.cuda_stream):
             stream = torch.cuda.current_stream(self.device)
             if self._stream is not None:
-                stream.wait_stream(self._stream)  # the previous call's reads of our windows come first
+                stream.wait_stream(self._stream)
             self._stream = stream
-        if key not in self._buffers:
-            self._buffers[key] = self.ctx.symmetric(nbytes, torch.uint8, zero=False)  # collective
         return self._buffers[key]
 
     def peer(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
@@ -691,11 +719,14 @@ class WindowTransport:
     def barrier(self) -> None:
         self.ctx.device_barrier()
 
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
     def fused_barrier(self, epoch: int) -> FusedBarrier | None:
         """Flag words [source][BARRIER_SLOT] of the flag table: signal every peer, wait for every
         peer. None while the stream is captured into a CUDA graph (the epoch is a host value that a
         replay would repeat): then a barrier kernel, as before."""
-        if torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             return None
         flags, peers = self._flag_table()
         others = [p for p in range(self.world_size) if p != self.rank]
