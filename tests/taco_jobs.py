@@ -504,6 +504,62 @@ def device_in_cuda_graph_gpu(ctx, cases: list[Case], fuse_barriers: bool = False
     return out
 
 
+def tp_mlp_in_cuda_graph_gpu(ctx, seq: int = 64, batch: int = 2, hidden: int = 256, ffn: int = 512) -> dict:
+    """A column -> GELU -> row MLP (sequence parallel, TACO on both collectives and their backward
+    mirrors, device backend, bf16) whose forward and backward are captured in one CUDA graph after
+    eager warm-up steps, as a captured training step would: each replay with fresh inputs gives the
+    output and gradients an eager step gives on the same inputs (same kernels: bit for bit)."""
+    from commweave.taco.device import DeviceBackend
+    from commweave.taco.tp import ColumnParallelLinear, RowParallelLinear
+
+    world, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    cc.register_backend("device", DeviceBackend(ctx=ctx))
+    cfg = QuantConfig()
+    torch.manual_seed(0)  # the same full weights on every rank
+    col = ColumnParallelLinear(hidden, ffn, compression=cfg, backend="device", dtype=torch.bfloat16, device=dev)
+    row = RowParallelLinear(ffn, hidden, compression=cfg, backend="device", dtype=torch.bfloat16, device=dev)
+    params = [*col.parameters(), *row.parameters()]
+
+    def step(x: torch.Tensor, probe: torch.Tensor) -> list[torch.Tensor]:
+        y = row(torch.nn.functional.gelu(col(x)))
+        return [y.detach(), *torch.autograd.grad((y.float() * probe).sum(), [x, *params])]
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * world + rank)
+        x = torch.randn(seq // world, batch, hidden, generator=gen).to(dev, torch.bfloat16)
+        return x, torch.randn(seq // world, batch, hidden, generator=gen).to(dev)
+
+    static_x, static_probe = inputs(0)
+    static_x.requires_grad_()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # eager warm-up, on a side stream as torch's capture recipe does
+        for _ in range(3):
+            step(static_x, static_probe)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static_x, static_probe)
+    out: dict[str, Any] = {"mismatches": [], "replays": 0}
+    for seed in range(1, 4):
+        x, probe = inputs(seed)
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_probe.copy_(probe)
+        graph.replay()
+        eager = step(x.requires_grad_(), probe)
+        torch.cuda.synchronize(dev)
+        out["replays"] += 1
+        for name, got, want in zip(["out", "grad_x", *[f"param{i}" for i in range(len(params))]], captured, eager):
+            if not same_bits(got, want):
+                out["mismatches"].append(f"replay {seed}: {name} differs (max |diff| "
+                                         f"{float((got.float() - want.float()).abs().max()):.3g})")
+    del graph
+    cc._backend("device").close()
+    ctx.end_candidate()
+    return out
+
+
 class SerializedCodec:
     """A codec whose calls run one at a time across the simulated ranks' threads (Triton's
     interpreter patches triton.language while it runs a kernel: not thread-safe)."""

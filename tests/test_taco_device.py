@@ -520,6 +520,16 @@ def test_device_backend_captured_in_a_cuda_graph_equals_the_reference(world):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tp_layers_forward_and_backward_captured_in_a_cuda_graph(world):
+    """TACO's sequence-parallel MLP (device backend, compressed both ways) captured forward and
+    backward after eager steps: every replay with fresh inputs equals an eager step bit for bit."""
+    with _gpu_pool(world) as pool:
+        for value in _ok(pool.run("taco_jobs:tp_mlp_in_cuda_graph_gpu")):
+            assert value["mismatches"] == [] and value["replays"] == 3, value
+
+
+@pytest.mark.gpu
 def test_pipelined_path_on_one_gpu():
     """One rank: every op, pipelined (side stream, stream-memory flags, piece-wise kernels on strided
     views) or whole, equals the reference bit for bit, call after call (a reduce-scatter's sum is its

@@ -12,8 +12,9 @@ Layout (sequence parallelism, activations [seq, batch, hidden], sequence first a
 Each layer takes `compression` (a QuantConfig for the forward collective, None for the plain torch
 collective) and `grad_compression` for its backward mirror (defaults to `compression`), so
 compression is switchable per layer and per direction. The collectives are
-commweave.taco.collectives (the host reference today; fused device kernels behind the same
-functions later, through its `backend` argument).
+commweave.taco.collectives, through its `backend` argument: "reference" (torch.distributed),
+"device" (device-initiated over symmetric windows; CUDA graph capture works after a warm-up
+call), or "auto" (the measured per-size choice).
 
 Parameters whose gradient is computed from this rank's sequence shard only (RowParallelLinear's
 bias, replicated on every rank) carry `sequence_parallel = True`; as in Megatron, their gradients
