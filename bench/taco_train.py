@@ -4,6 +4,7 @@ forward and gradient), same seed, same data order; loss curves, step times, fina
 
     python bench/taco_train.py --gpus 4 --backend device          # 4 GPUs (defaults: 6x1024, 300 steps)
     python bench/taco_train.py --cpu-ranks 2 --tiny               # CPU, gloo, a few seconds
+    python bench/taco_train.py --gpus 4 --backend device --graph  # each step one CUDA graph replay
 
 Data: byte-level tokens (vocabulary 256) of the Python standard library's own .py files (the
 directory of `os.__file__`, site-packages excluded), in sorted path order; every 20th file is
@@ -41,6 +42,7 @@ from torch import nn
 VOCAB = 256
 SEPARATOR = 0  # byte between files (source files contain no NUL)
 VAL_EVERY_NTH_FILE = 20
+GRAPH_WARMUP = 3  # --graph: eager steps before the step is captured (buffers and launch records made)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -275,12 +277,15 @@ def _shard(window: torch.Tensor, rank: int, world: int, device: torch.device) ->
 
 
 def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str = "reference",
-              dtype: str = "float32", reference_steps: int = 0, pieces: int = 1) -> dict:
+              dtype: str = "float32", reference_steps: int = 0, pieces: int = 1, graph: bool = False) -> dict:
     """Train the TP/SP model for train['steps'] steps (compression on or off) and return the loss
     history, validation losses and step times. With reference_steps > 0, also train the
     single-process reference model (full sequence, same weights, same batches) for that many
     steps and return its losses, to check the TP model against it. pieces > 1: the device
-    backend's pipelined collectives."""
+    backend's pipelined collectives. graph (CUDA): after GRAPH_WARMUP eager steps, each step
+    (forward, backward, gradient sums, clipping, optimizer) is one CUDA graph replay, so a step
+    costs its GPU time, not the host's launches (the optimizer is then AdamW's capturable form,
+    whose learning rate is a tensor)."""
     from commweave.taco import collectives as cc
     from commweave.taco.quant import QuantConfig
     from commweave.taco.tp import allreduce_sequence_parallel_grads
@@ -305,8 +310,12 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
     ref_state = {k: v.clone() for k, v in ref.state_dict().items()} if reference_steps else None
     del ref
 
-    opt = _optimizer(net, tc)
-    autocast = torch.autocast("cuda", dtype=compute_dtype, enabled=device.type == "cuda" and compute_dtype != torch.float32)
+    if graph and device.type != "cuda":
+        raise ValueError("graph=True captures CUDA graphs: it needs GPU ranks")
+    opt = _optimizer(net, tc, capturable=graph)
+    # autocast's cast cache would hand a captured step the casts of weights from before the capture
+    autocast = torch.autocast("cuda", dtype=compute_dtype, enabled=device.type == "cuda" and compute_dtype != torch.float32,
+                              cache_enabled=not graph)
     tokens_per_step = tc.batch * mc.seq
     vals = val_batches(corpus, tc.val_batches, tc.batch, mc.seq)
 
@@ -323,15 +332,8 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
         dist.all_reduce(total)
         return float(total) / (len(vals) * tokens_per_step)
 
-    losses, times, grad_norms, val_loss = [], [], [], {}
-    evals = set(eval_steps(tc))
-    for step in range(tc.steps):
-        window = train_batch(corpus, step, tc.batch, mc.seq, tc.seed)
-        sync()
-        began = time.perf_counter()
-        x, y, pos0 = _shard(window, rank, world, device)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, tc)
+    def train_step(x: torch.Tensor, y: torch.Tensor, pos0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on this rank's shard: (the global mean loss, the gradient norm)."""
         with autocast:
             loss = net(x, y, pos0) / tokens_per_step  # this rank's share of the global mean
         loss.backward()
@@ -339,9 +341,52 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
         norm = global_grad_norm(net)
         _clip_(net, norm, tc.clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
         total = loss.detach().float().clone()
         dist.all_reduce(total)
+        return total, norm
+
+    def set_lr(step: int) -> None:
+        for group in opt.param_groups:
+            if graph:
+                group["lr"].fill_(lr_at(step, tc))  # the tensor the captured step reads
+            else:
+                group["lr"] = lr_at(step, tc)
+
+    static: dict[str, Any] = {}  # graph mode: the captured step, its inputs and outputs
+    side = torch.cuda.Stream(device) if graph else None
+
+    def graph_step(step: int, x: torch.Tensor, y: torch.Tensor, pos0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager (on a side stream, as torch's capture recipe warms up) for the first GRAPH_WARMUP
+        steps, then captured once and replayed: every step is a real one, none repeated."""
+        if step < GRAPH_WARMUP:
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                out = train_step(x, y, pos0)
+                opt.zero_grad(set_to_none=True)  # the captured backward then writes fresh gradients
+            torch.cuda.current_stream(device).wait_stream(side)
+            return out
+        if not static:
+            static.update(x=x.clone(), y=y.clone(), graph=torch.cuda.CUDAGraph())
+            with torch.cuda.graph(static["graph"]):
+                static["out"] = train_step(static["x"], static["y"], pos0)
+        static["x"].copy_(x)
+        static["y"].copy_(y)
+        static["graph"].replay()
+        return static["out"]
+
+    losses, times, grad_norms, val_loss = [], [], [], {}
+    evals = set(eval_steps(tc))
+    for step in range(tc.steps):
+        window = train_batch(corpus, step, tc.batch, mc.seq, tc.seed)
+        sync()
+        began = time.perf_counter()
+        x, y, pos0 = _shard(window, rank, world, device)
+        set_lr(step)
+        if graph:
+            total, norm = graph_step(step, x, y, pos0)
+        else:
+            total, norm = train_step(x, y, pos0)
+            opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - began)
         losses.append(float(total))
@@ -360,12 +405,17 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
     return result if rank == 0 else {"loss": losses}
 
 
-def _optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (both the TP model and its single-process yardstick)."""
+def _optimizer(model: torch.nn.Module, tc: TrainConfig, capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (both the TP model and its single-process yardstick);
+    `capturable`: its CUDA-graph form, the learning rate a tensor on the parameters' device."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
+    lr: float | torch.Tensor = tc.lr
+    if capturable:
+        lr = torch.tensor(tc.lr, device=next(model.parameters()).device)
     return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                              {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                             capturable=capturable)
 
 
 def _clip_(model: torch.nn.Module, norm: torch.Tensor, clip: float) -> None:
@@ -455,13 +505,13 @@ def plot(plain: dict, taco: dict, title: str, path: Path, dtype: str = "bfloat16
 
 
 def run_both(pool: Any, model: dict, train: dict, backend: str, dtype: str, timeout_s: float,
-             pieces: int = 1) -> tuple[dict, dict]:
+             pieces: int = 1, graph: bool = False) -> tuple[dict, dict]:
     """Plain, then TACO, in the same pool: same seed, same batches."""
     job = f"{Path(__file__).stem}:train_job"  # workers import this module by name (bench/ on sys.path)
     runs = []
     for compress in (False, True):
         result = pool.run(job, timeout_s=timeout_s, model=model, train=train, compress=compress, backend=backend,
-                          dtype=dtype, pieces=pieces)
+                          dtype=dtype, pieces=pieces, graph=graph)
         if not result.ok:
             failure = result.first_failure()
             raise RuntimeError(f"training (compress={compress}) failed: {result.status}: "
@@ -489,6 +539,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compressed collectives: host reference, or device-initiated (CUDA only)")
     p.add_argument("--pieces", type=int, default=1,
                    help="with --backend device: pipelined collectives in up to this many pieces (1: whole messages)")
+    p.add_argument("--graph", action="store_true",
+                   help="with --backend device: each step (both runs) one CUDA graph replay after a few eager steps, "
+                        "so step times compare GPU time, not the host's launches")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute/communication dtype (GPU default bf16; CPU fp32)")
     p.add_argument("--max-bytes", type=int, help="read only this many bytes of the stdlib")
     p.add_argument("--job-timeout", type=float, default=3600.0)
@@ -505,6 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--backend device needs CUDA (--gpus)")
     if args.pieces != 1 and args.backend != "device":
         p.error("--pieces applies to --backend device only")
+    if args.graph and (args.backend != "device" or args.pieces != 1):
+        p.error("--graph needs --backend device with whole messages (--pieces 1): pipelined calls cannot be captured")
     if args.dtype is None:
         args.dtype = "float32" if args.cpu_ranks is not None else "bfloat16"
     return args
@@ -525,11 +580,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                max_bytes=args.max_bytes))
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}  # this script's directory: workers import it by name
     with WorkerPool(world, device="cpu" if on_cpu else "cuda", job_timeout_s=args.job_timeout, env=env) as pool:
-        plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout, args.pieces)
+        plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout, args.pieces, args.graph)
     summary = summarize(plain, taco)
     size = "" if (args.layers, args.hidden) == (6, 1024) else f"-{args.layers}x{args.hidden}"  # non-default: in the names
-    name = f"taco-train-{world}{'cpu' if on_cpu else 'gpu'}{size}"
+    name = f"taco-train-{world}{'cpu' if on_cpu else 'gpu'}{size}{'-graph' if args.graph else ''}"
     config = {"world": world, "device": "cpu" if on_cpu else "cuda", "backend": args.backend, "pieces": args.pieces,
+              "graph": args.graph,
               "dtype": args.dtype,
               "model": model, "train": train, "compression": "QuantConfig() forward and gradient, every TP layer",
               "parallelism": f"tensor parallel {world}, sequence parallel"}
