@@ -426,6 +426,10 @@ def test_replayed_launches_equal_the_checked_paths_byte_for_byte(monkeypatch, wo
             if i == 4:
                 replayed_checks += n_checks
     assert replaying.barriers == checked.barriers
+    # a strided input is read through a copy by the checked path: never replayed from its own address
+    strided = torch.randn(64, 6, dtype=torch.bfloat16).t()
+    assert replaying._replay_key("all_gather", tuple(strided.shape), strided.dtype, cfg, strided.numel(),
+                                 strided, torch.empty(world, *strided.shape, dtype=strided.dtype)) is None
     if world > 1:  # each layout's calls replay once recorded (one rank: only what launches kernels alone)
         assert replayed_checks == 0 and all(replaying._replays.values())
 

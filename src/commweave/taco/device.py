@@ -410,8 +410,11 @@ class DeviceCollectives:
                     *tensors: torch.Tensor) -> Hashable | None:
         """The key of the launches this call may replay: its buffer's (op, shape, dtype, cfg, parity)
         and the 16-byte alignment of its tensors (the kernels' vector paths depend on it); None where
-        calls are not replayed (a per-message codec, or `numel` elements a rank pipelined)."""
+        calls are not replayed (a per-message codec, `numel` elements a rank pipelined, or a tensor
+        that is not contiguous: the checked path reads a copy of it, a replay its own address)."""
         if not isinstance(self.codec, CudaCodec) or self.plan(numel)[0] > 1:
+            return None
+        if not all(t.is_contiguous() for t in tensors):
             return None
         base = (op, shape, dtype, cfg)
         return (*base, self._parity(base), *(t.data_ptr() % 16 for t in tensors))
