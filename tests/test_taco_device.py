@@ -254,16 +254,17 @@ def test_captured_calls_always_barrier_before_writing_and_so_do_later_writes_of_
 
         eager = [barriers_of_a_call(False) for _ in range(2)]
         captured = barriers_of_a_call(True)
-        after = [barriers_of_a_call(False) for _ in range(3)]
+        after = [barriers_of_a_call(False) for _ in range(5)]
         return eager, captured, after
 
     got, node = taco_jobs.simulate(2, body, double_buffer)
     eager, captured, after = got[0]
     assert captured == 2  # the rewrite barrier, then the read barrier
     if double_buffer:  # the captured call took buffer 0: its later writes barrier first, buffer 1 keeps the rule
-        assert eager == [1, 1] and after == [1, 2, 1]
+        # (each, even after an eager call's barrier: a replay may come after that barrier)
+        assert eager == [1, 1] and after == [1, 2, 1, 2, 1]
     else:  # one buffer, read by the captured call: every later write barriers first
-        assert eager == [1, 2] and after == [2, 2, 2]
+        assert eager == [1, 2] and after == [2, 2, 2, 2, 2]
     assert got[1] == got[0] and node.hazards() == []
 
     monkeypatch.setattr(device, "MIN_PIECE", 1024)

@@ -399,8 +399,12 @@ class DeviceCollectives:
 
     def _read(self, key: Hashable) -> None:
         """Peers have read `key`'s buffer up to now: its next write needs a barrier unless one comes
-        first (captured: always, see the module docstring)."""
-        self._read_at[key] = ANY_TIME if self.t.capturing() else self.barriers
+        first; once a captured call has read it, always (a replay may read it again at any time,
+        after any host-counted barrier; see the module docstring)."""
+        if self.t.capturing() or self._read_at.get(key) == ANY_TIME:
+            self._read_at[key] = ANY_TIME
+        else:
+            self._read_at[key] = self.barriers
 
     def _parity(self, base: tuple) -> int:
         """Which of a double-buffered (op, shape, dtype, cfg)'s two buffers its next call takes."""
