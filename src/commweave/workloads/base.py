@@ -23,16 +23,6 @@ import torch
 LOSSY_TOLERANCE = 0.04
 
 
-def lossy_wire_ratio(values: int, item_bytes: int) -> float:
-    """`Cost.wire_ratio` of rows of `values` elements of `item_bytes` each under LOSSY_TOLERANCE:
-    FP8 with one FP32 scale per 512 values (the largest group the kernels take), the most
-    compressed exchange that tolerance admits, so the floor stays a lower bound for every admitted
-    program."""
-    from commweave.taco.quant import MAX_GROUP
-
-    return (values + 4 * -(-values // MAX_GROUP)) / (values * item_bytes)
-
-
 def seeded_generator(device: torch.device, *key: int) -> torch.Generator:
     """A generator determined by `key` (seed, stream, rank, ...): any rank can redraw any other
     rank's inputs, so references are computed from pristine data, never from a program's tensors."""
@@ -67,7 +57,7 @@ class Cost:
     memory_bytes: float = 0.0  # bytes this rank must move through its own HBM (each read/write once)
     #: the fewest bytes a program the workload admits can send per byte of comm_bytes (the floor's
     #: link term): 1 when the data must arrive exactly, less where a tolerance admits compression
-    #: (`lossy_wire_ratio`); the search's cost model compresses comm_bytes itself
+    #: (`Workload.wire_ratio`); the search's cost model compresses comm_bytes itself
     wire_ratio: float = 1.0
 
 
@@ -164,6 +154,18 @@ class Workload(ABC):
     def tolerance(self) -> float:
         """Largest accepted relative Frobenius error against the reference."""
         return {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}.get(self.dtype, 1e-2)
+
+    def wire_ratio(self, values: int, item_bytes: int) -> float:
+        """`Cost.wire_ratio` of rows of `values` elements of `item_bytes` each: 1 where the tolerance
+        admits no compression (the design space's rule: a format's expected error within it), else
+        FP8 with one FP32 scale per 512 values (the largest group the kernels take), the most
+        compressed exchange it admits, so the floor stays a lower bound for every admitted program."""
+        from commweave.space.directives import COMPRESSION_ERROR
+        from commweave.taco.quant import MAX_GROUP
+
+        if not any(err <= self.tolerance() for err in COMPRESSION_ERROR.values()):
+            return 1.0
+        return (values + 4 * -(-values // MAX_GROUP)) / (values * item_bytes)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from commweave.workloads.base import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
-                                      lossy_wire_ratio, seeded_generator)
+                                      seeded_generator)
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
 LLAMA70B_N_LOCAL = 3584  # Llama-3-70B MLP up-projection (28672 wide) split over 8, per rank
@@ -96,10 +96,6 @@ class GemmAllGather(Workload):
             wire_ratio=self.wire_ratio(k, item),
         )
 
-    def wire_ratio(self, k: int, item_bytes: int) -> float:
-        """`Cost.wire_ratio` of A's rows: exact bf16 here."""
-        return 1.0
-
     def template(self):
         from commweave.workloads.gemm_allgather.template import make_template
 
@@ -129,6 +125,3 @@ class GemmAllGatherLossy(GemmAllGather):
     def tolerance(self) -> float:
         return LOSSY_TOLERANCE
 
-    def wire_ratio(self, k: int, item_bytes: int) -> float:
-        """`lossy_wire_ratio` of a row of A (the seed's FP8 gather sends a scale per 128 values: more)."""
-        return lossy_wire_ratio(k, item_bytes)

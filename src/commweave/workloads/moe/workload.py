@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from commweave.workloads.base import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
-                                      lossy_wire_ratio, seeded_generator)
+                                      seeded_generator)
 from commweave.workloads.moe import routing
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
@@ -170,10 +170,6 @@ class MoELayer(Workload):
         memory = max(u * 3 * h * i * item + 4 * p * h * item + 2 * t * h * item for u, p in zip(used, pairs_in))
         return Cost(flops=flops, comm_bytes=comm, memory_bytes=memory, wire_ratio=self.wire_ratio(h, item))
 
-    def wire_ratio(self, hidden: int, item_bytes: int) -> float:
-        """`Cost.wire_ratio` of token rows: exact bf16 here."""
-        return 1.0
-
     def template(self):
         from commweave.workloads.moe.template import make_template
 
@@ -211,9 +207,6 @@ class MoELayerLossy(MoELayer):
 
     name = "moe-lossy"
     summary = "moe accepting 4% relative error: FP8 E4M3 dispatch of the tokens admitted"
+
     def tolerance(self) -> float:
         return LOSSY_TOLERANCE
-
-    def wire_ratio(self, hidden: int, item_bytes: int) -> float:
-        """`lossy_wire_ratio` of a row, in both directions (the seed compresses the dispatch only)."""
-        return lossy_wire_ratio(hidden, item_bytes)
