@@ -24,7 +24,7 @@ from rich.table import Table
 
 from commweave.evaluate.evaluator import Evaluator
 from commweave.evaluate.floor import calibrate
-from commweave.evaluate.program import with_config
+from commweave.contracts.program import with_config
 from commweave.report.results import write_results
 from commweave.runtime import WorkerPool, apply_safe_env
 from commweave.workloads import get_workload

@@ -34,7 +34,7 @@ from sweep import parse_grid  # noqa: E402  (bench/ is not a package)
 
 from commweave.evaluate.evaluator import Evaluator  # noqa: E402
 from commweave.evaluate.floor import calibrate  # noqa: E402
-from commweave.evaluate.program import load_program, with_config  # noqa: E402
+from commweave.contracts.program import load_program, with_config  # noqa: E402
 from commweave.report.results import RESULTS_DIR, write_results  # noqa: E402
 from commweave.runtime import WorkerPool, apply_safe_env  # noqa: E402
 from commweave.runtime.compile import compile_cubin  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import commweave.ops as ops
-from commweave.evaluate.checks import poison_
+from commweave.contracts.poison import poison_
 from commweave.ops import functions, runner
 from commweave.workloads import Shape, Workload, get_workload
 

@@ -255,7 +255,7 @@ def evolve(
 
     from commweave.evaluate.evaluator import Evaluator
     from commweave.evaluate.floor import calibrate
-    from commweave.evaluate.verdict import EvaluationError
+    from commweave.contracts.verdict import EvaluationError
     from commweave.llm import ModelConfig, client_for, load_models, resolve_model
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.search import Budget, SearchConfig
@@ -320,7 +320,7 @@ def evolve(
             columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress:
                 best, count, paused = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
-                                            workload=wl, capabilities=capabilities, progress=progress,
+                                            capabilities=capabilities, progress=progress,
                                             stop_after_s=stop_after_s, llm_models=models, llm_budget_usd=llm_budget,
                                             hardware=hardware)
     except (PoolStartError, EvaluationError) as exc:
@@ -438,7 +438,7 @@ def fast_path(
     from commweave.agents import AnalysisError, FastPath, FastPathError, analyze_program
     from commweave.evaluate.evaluator import Evaluator
     from commweave.evaluate.floor import calibrate
-    from commweave.evaluate.verdict import EvaluationError
+    from commweave.contracts.verdict import EvaluationError
     from commweave.llm import Ledger, client_for, load_models, resolve_model
     from commweave.runtime import PoolStartError, WorkerPool
 

@@ -39,7 +39,7 @@ def run_meta(path: Path) -> dict[str, Any]:
 
 
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
-           config: SearchConfig, *, rates: Any = None, workload: Any = None, capabilities: Any = None,
+           config: SearchConfig, *, rates: Any = None, capabilities: Any = None,
            progress: Any = None, stop_after_s: float | None = None, llm_models: Sequence[Any] = (),
            llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
@@ -58,7 +58,7 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
             progress.update(task, completed=min(search.fraction(), 1.0) * 1000,
                             description=f"{search.phase()} · {search.evaluated} evaluated · {what}{spent}")
 
-        search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates, workload=workload,
+        search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates,
                            capabilities=capabilities, on_result=on_result, llm_models=llm_models,
                            llm_budget_usd=llm_budget_usd, hardware=hardware)
         if progress is not None:

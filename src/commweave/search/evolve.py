@@ -39,21 +39,19 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from commweave.evaluate.program import ProgramError, parse_program
-from commweave.evaluate.verdict import FailureClass, Verdict
+from commweave.contracts.program import ProgramError, parse_program
+from commweave.contracts.result import EvalResult, Judge
+from commweave.contracts.workload import Workload
+from commweave.contracts.verdict import FailureClass, Verdict
 from commweave.llm import Ledger, ModelConfig, ModelPool, client_for
-from commweave.runtime.compile import CompileError, compile_cubin
+from commweave.runtime.compile import CompileError
 from commweave.search import prompts
 from commweave.search.db import ProgramDB, ProgramRecord, code_hash
 from commweave.search.llm_proposer import CallLog, LLMProposal, LLMProposer
 from commweave.search.proposer import Memory, OfflineProposer
 from commweave.space import DirectiveSet, Template, program_body
-
-
-class EvaluatorLike(Protocol):
-    def evaluate(self, text: str, shape: Any) -> Any: ...  # EvalResult-like: fitness, verdict, ...
 
 
 @dataclass(frozen=True)
@@ -175,24 +173,20 @@ def body_hash(text: str) -> str:
     return code_hash(program_body(text))
 
 
-def _median(timing: Any) -> float | None:
-    return getattr(timing, "median_us", None) if timing is not None else None
-
-
-def result_timings(result: Any) -> dict[str, Any]:
-    """The measured figures of an EvalResult-like object, as plain JSON."""
-    baselines = {name: _median(t) for name, t in (getattr(result, "baselines", None) or {}).items()}
-    return {"candidate_us": _median(getattr(result, "candidate", None)), "baseline": getattr(result, "baseline", None),
-            "baselines_us": baselines, "floor_us": getattr(result, "floor_us", None)}
+def result_timings(result: EvalResult) -> dict[str, Any]:
+    """The measured figures of an evaluation, as plain JSON."""
+    return {"candidate_us": result.candidate.median_us if result.candidate is not None else None,
+            "baseline": result.baseline, "baselines_us": {name: t.median_us for name, t in result.baselines.items()},
+            "floor_us": result.floor_us}
 
 
 class Evolution:
     """One run of the search on one database. Construct, then `run()`; constructing it on an
     existing database resumes that run (its metadata must match)."""
 
-    def __init__(self, db: ProgramDB, template: Template, evaluator: EvaluatorLike, shape: Any, world_size: int,
+    def __init__(self, db: ProgramDB, template: Template, evaluator: Judge, shape: Any, world_size: int,
                  budget: Budget, config: SearchConfig | None = None, *, proposer: OfflineProposer | None = None,
-                 compile_source: Callable[[str], Any] | None = None, rates: Any = None, workload: Any = None,
+                 compile_source: Callable[[str], Any] | None = None, rates: Any = None,
                  capabilities: Any = None, on_result: Callable[[ProgramRecord, Evolution], None] | None = None,
                  llm_models: Sequence[ModelConfig] = (), llm_budget_usd: float | None = None,
                  hardware: Mapping[str, Any] | None = None):
@@ -202,13 +196,11 @@ class Evolution:
         self.db, self.template, self.evaluator = db, template, evaluator
         self.shape, self.world_size, self.budget = shape, world_size, budget
         self.config = config or SearchConfig()
-        if workload is None:
-            workload = getattr(evaluator, "workload", None) or getattr(template, "wl", None)
+        workload = template.workload
         work = workload.cost(shape, world_size)
         self.capabilities = capabilities
         self.proposer = proposer or OfflineProposer(template, world_size, work, rates, capabilities=capabilities)
-        # nvcc for every CUDA source, unless the evaluator brings its own (the simulated one does)
-        self.compile_source = compile_source or getattr(evaluator, "compile_source", None) or compile_cubin
+        self.compile_source = compile_source or evaluator.compile_source
         self.on_result = on_result
         self._started = time.monotonic()  # reset by run()
         self._deadline: float | None = None  # run()'s stop_after_s, as a monotonic time
@@ -224,16 +216,16 @@ class Evolution:
             self.calls = CallLog(db)
             self.ledger = Ledger(self.llm_budget_usd, on_call=self.calls.call, spent_usd=db.llm_spent())
             self.models = ModelPool([client_for(m, self.ledger) for m in llm_models], seed=self.config.seed)
-            self.llm = LLMProposer(template, world_size, shape, workload=workload, rates=rates, hardware=hardware,
+            self.llm = LLMProposer(template, world_size, shape, rates=rates, hardware=hardware,
                                    capabilities=capabilities, max_resamples=self.config.llm_max_resamples,
                                    on_unusable=self.calls.unusable)
         self._load()
 
     # -- state ----------------------------------------------------------------------------------
-    def _init_meta(self, workload: Any, llm_models: Sequence[ModelConfig]) -> None:
+    def _init_meta(self, workload: Workload, llm_models: Sequence[ModelConfig]) -> None:
         meta = self.db.meta()
         llm = {"llm_models": [asdict(m) for m in llm_models]} if llm_models else {}
-        wanted = {"workload": getattr(workload, "name", self.template.workload), "shape": str(self.shape),
+        wanted = {"workload": workload.name, "shape": str(self.shape),
                   "gpus": self.world_size, "islands": self.config.islands}
         if meta:
             clash = {k: (meta.get(k), v) for k, v in wanted.items() if meta.get(k) != v}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.timing import gated_seconds
+from commweave.runtime.timers import gated_seconds
 from commweave.taco import collectives as cc
 from commweave.taco.quant import QuantConfig
 

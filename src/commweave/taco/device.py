@@ -94,6 +94,7 @@ from typing import Any, ContextManager, Hashable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from commweave.runtime.default import context as default_context
 from commweave.runtime.launch import current_stream_handle, on_device
 from commweave.taco.collectives import AllReduceAlgo, register_backend
 from commweave.taco.cuda import FusedBarrier, Launch, barrier_arg, recording, source_addresses, sources_arg
@@ -818,9 +819,7 @@ class DeviceBackend:
                              "windows); pass group=None or use backend='reference' for subgroups")
         ctx = self._ctx
         if ctx is None:
-            from commweave.ops import context
-
-            ctx = context(x.device)
+            ctx = default_context(x.device)
         if not ctx.is_cuda:
             raise ValueError(f"the device backend needs a CUDA RankContext, this one is on {ctx.device}")
         if x.device != ctx.device:

@@ -62,11 +62,11 @@ from typing import Literal
 
 import torch
 
+from commweave.contracts.profile import GROUP_SIZES, MAX_GROUP, MIN_GROUP
+
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}
 TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MIN_GROUP, MAX_GROUP = 32, 512
-GROUP_SIZES = tuple(1 << i for i in range(MIN_GROUP.bit_length() - 1, MAX_GROUP.bit_length()))  # every one allowed
 _TINY = torch.finfo(torch.float32).smallest_normal
 Impl = Literal["reference", "triton", "cuda"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from commweave.workloads.base import Cost, Shape, Workload
+from commweave.contracts.workload import Cost, Shape, Workload
 
 
 def registry() -> dict[str, Workload]:
