@@ -80,7 +80,8 @@ def list_workloads() -> None:
     from commweave.workloads import registry
 
     table = Table(title="workloads")
-    for col in ("name", "summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
+    table.add_column("name", no_wrap=True)  # a name is what a user types: never cut
+    for col in ("summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
         table.add_column(col)
     for name, wl in registry().items():
         programs = f"{', '.join(wl.baselines)}; {wl.seed}"
@@ -397,7 +398,8 @@ def _workload_named(name: str) -> Any:
     """A registered workload, or one given by its class as 'module:Class' (importable here and in
     the workers, constructible without arguments)."""
     from commweave.runtime.pool import resolve_function
-    from commweave.workloads import Workload, get_workload
+    from commweave.contracts.workload import Workload
+    from commweave.workloads import get_workload
 
     if ":" not in name:
         return get_workload(name)

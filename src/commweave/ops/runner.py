@@ -31,7 +31,8 @@ from commweave.contracts.program import load_program, parse_program, unavailable
 from commweave.ops.exported import export_info
 from commweave.runtime.default import close_context, context, current_context
 from commweave.runtime.launch import on_device
-from commweave.workloads import Shape, Workload, get_workload
+from commweave.contracts.workload import Shape, Workload
+from commweave.workloads import get_workload
 
 #: a program: None (the workload's seed), one of its program names, or a program file's path
 ProgramSpec = str | os.PathLike | None

@@ -1,0 +1,203 @@
+"""The cascade: compile -> correctness -> benchmark side by side with the baselines -> fitness.
+
+The calling process only parses and compiles programs (nvcc; cubins land in the disk cache the
+workers' `ctx.compile` reads); programs run only in the pool's workers, through the jobs of
+`commweave.evaluate.jobs`. Every failure path gives fitness 0, a failure class and a message.
+Fitness is the first usable baseline's median time over the candidate's, measured in one job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+
+from commweave.evaluate.floor import MachineRates, below_floor, floor_s
+from commweave.evaluate.jobs import RankBench, resolve_workload, workload_ref
+from commweave.evaluate.program import ProgramError, parse_program
+from commweave.evaluate.timing import BenchResult, ProgramTiming, summarize
+from commweave.evaluate.verdict import EvaluationError, FailureClass, Verdict, merge_rank_verdicts
+from commweave.runtime.compile import CompileError, compile_cubin
+from commweave.runtime.pool import JobResult, WorkerPool
+from commweave.workloads.base import Shape, Workload
+
+CHECK_JOB = "commweave.evaluate.jobs:check_program"
+BENCH_JOB = "commweave.evaluate.jobs:bench_programs"
+CANDIDATE = "candidate"  # the candidate's name in a benchmark beside the baselines
+
+
+@dataclass
+class EvalResult:
+    """A candidate's full evaluation on one shape (times in microseconds)."""
+
+    fitness: float  # baseline median / candidate median; 0 on every failure path
+    verdict: Verdict  # the candidate's: its first failure, or passed
+    shape: str
+    candidate: ProgramTiming | None = None
+    baseline: str | None = None  # the baseline the fitness is relative to
+    baselines: dict[str, ProgramTiming] = field(default_factory=dict)  # every baseline: timed, failed or unavailable
+    floor_us: float | None = None
+
+
+def job_failure(result: JobResult) -> Verdict:
+    """The verdict for a job that did not finish on every rank (the pool restarted if it hung,
+    crashed or broke a CUDA context)."""
+    restarted = "; the worker pool was restarted" if result.restarted else ""
+    if result.status == "timeout":
+        silent = [str(r) for r, f in enumerate(result.failures) if f is not None]
+        return Verdict(False, FailureClass.TIMEOUT, f"no answer within {result.elapsed_s:.1f} s from rank "
+                                                    f"{', '.join(silent)} (deadlock or endless loop){restarted}")
+    cause = result.cause()
+    if cause is None:
+        raise ValueError("job_failure() needs a failed job")
+    rank, failure = cause
+    if failure.error_type == "WorkloadError":
+        raise EvaluationError(failure.message)
+    if failure.error_type == "crashed":
+        what = failure.message
+    elif failure.error_type == "HarnessError":
+        what = f"the harness failed after candidate code ran: {failure.message}"
+    else:
+        what = f"{failure.error_type}: {failure.message}"
+    cls = FailureClass.ILLEGAL_ADDRESS if failure.sticky else FailureClass.RUNTIME_ERROR
+    return Verdict(False, cls, what + restarted, rank=rank, detail=failure.traceback)
+
+
+def fresh_seed_base() -> int:
+    """A new random base per evaluation, so no program can memorise its inputs."""
+    return secrets.randbelow(1 << 30)
+
+
+class Evaluator:
+    """Judges programs of one workload on one pool."""
+
+    def __init__(self, pool: WorkerPool, workload: Workload, *, seeds: int = 3, warmup: int = 5, iters: int = 20,
+                 rates: MachineRates | None = None, job_timeout_s: float | None = None):
+        if seeds < 2:
+            raise ValueError(f"seeds must be >= 2 (consecutive runs on fresh inputs catch cached outputs), got {seeds}")
+        if warmup < 0 or iters < 1:
+            raise ValueError(f"need warmup >= 0 and iters >= 1, got {warmup} and {iters}")
+        workload.check_world_size(pool.world_size)
+        if CANDIDATE in workload.baselines:
+            raise ValueError(f"workload {workload.name!r} names a baseline {CANDIDATE!r}, which is reserved for the candidate")
+        self.pool = pool
+        self.workload = workload
+        self.workload_ref = workload_ref(workload)
+        resolve_workload(self.workload_ref)  # fail here, not in every job, if it cannot be rebuilt
+        self.seeds = seeds
+        self.warmup = warmup
+        self.iters = iters
+        self.rates = rates or MachineRates()
+        self.job_timeout_s = job_timeout_s
+        self._baseline_checks: dict[tuple[str, tuple[str, ...]], Verdict] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.pool.world_size
+
+    # -- stages ---------------------------------------------------------------------------------
+    def compile(self, text: str) -> Verdict:
+        """Parse, then compile every CUDA source (never executes the program)."""
+        try:
+            parsed = parse_program(text)
+        except ProgramError as exc:
+            return Verdict.failed(FailureClass.COMPILE_ERROR, str(exc))
+        for name, source in parsed.cuda_sources.items():
+            try:
+                compile_cubin(source)
+            except CompileError as exc:
+                return Verdict.failed(FailureClass.COMPILE_ERROR, f"{name}: {exc}\n{exc.log}")
+        return Verdict.passed(f"{len(parsed.cuda_sources)} CUDA source(s) compiled")
+
+    def check(self, text: str, shapes: list[Shape] | None = None) -> Verdict:
+        """Compile, then correctness on `shapes` (default: the workload's check shapes)."""
+        return self._check(text, CANDIDATE, shapes if shapes is not None else self.workload.check_shapes(self.world_size))
+
+    def _check(self, text: str, name: str, shapes: list[Shape]) -> Verdict:
+        verdict = self.compile(text)
+        if not verdict.ok:
+            return verdict
+        base = fresh_seed_base()
+        result = self.pool.run(CHECK_JOB, timeout_s=self.job_timeout_s, workload=self.workload_ref, text=text,
+                               name=name, shapes=list(shapes), seeds=[base + i for i in range(self.seeds)])
+        if not result.ok:
+            return job_failure(result)
+        return merge_rank_verdicts(result.values)
+
+    def benchmark(self, programs: dict[str, str], shape: Shape) -> BenchResult:
+        """Time `programs` side by side in one job; each gets a verdict (and times if it ran).
+        A job that fails as a whole gives its failure to every program in it."""
+        floor = floor_s(self.workload.cost(shape, self.world_size), self.rates)
+        timings: dict[str, ProgramTiming] = {}
+        runnable: dict[str, str] = {}
+        for name, text in programs.items():
+            verdict = self.compile(text)
+            if verdict.ok:
+                runnable[name] = text
+            else:
+                timings[name] = ProgramTiming(name, verdict)
+        input_sets = 0
+        if runnable:
+            result = self.pool.run(BENCH_JOB, timeout_s=self.job_timeout_s, workload=self.workload_ref,
+                                   programs=runnable, shape=shape, warmup=self.warmup, iters=self.iters,
+                                   seed=fresh_seed_base())
+            if result.ok:
+                ranks: list[RankBench] = result.values
+                input_sets = ranks[0].input_sets
+                for name in runnable:
+                    timings[name] = self._timing(name, ranks, floor)
+            else:
+                failure = job_failure(result)
+                for name in runnable:
+                    timings[name] = ProgramTiming(name, failure)
+        ordered = {name: timings[name] for name in programs}
+        return BenchResult(shape.label, floor * 1e6, self.warmup, self.iters, input_sets, ordered)
+
+    @staticmethod
+    def _timing(name: str, ranks: list[RankBench], floor: float) -> ProgramTiming:
+        verdict = merge_rank_verdicts([r.verdicts[name] for r in ranks])
+        if not all(name in r.times for r in ranks):
+            return ProgramTiming(name, verdict)
+        timing = summarize(name, verdict, [r.times[name] for r in ranks])
+        if all(name in r.memory for r in ranks):
+            timing.memory_bytes = max(r.memory[name] for r in ranks)
+        if verdict.ok:
+            timing.verdict = below_floor(timing.median_us * 1e-6, floor) or verdict
+        return timing
+
+    # -- the cascade ----------------------------------------------------------------------------
+    def evaluate(self, text: str, shape: Shape) -> EvalResult:
+        """compile -> check (check shapes + `shape`) -> benchmark beside the baselines -> fitness."""
+        shapes = self.workload.check_shapes(self.world_size)
+        if shape not in shapes:
+            shapes = [*shapes, shape]
+        verdict = self._check(text, CANDIDATE, shapes)
+        if not verdict.ok:
+            return EvalResult(0.0, verdict, shape.label)
+        baselines: dict[str, ProgramTiming] = {}
+        to_time: dict[str, str] = {CANDIDATE: text}
+        for name in self.workload.baselines:
+            baseline_text = self.workload.program_text(name)
+            baseline_verdict = self._baseline_check(name, baseline_text, shapes)
+            if baseline_verdict.ok:
+                to_time[name] = baseline_text
+            else:
+                baselines[name] = ProgramTiming(name, baseline_verdict)
+        bench = self.benchmark(to_time, shape)
+        baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines}
+        candidate = bench.programs[CANDIDATE]
+        if not candidate.verdict.ok:
+            return EvalResult(0.0, candidate.verdict, shape.label, candidate, None, baselines, bench.floor_us)
+        reference = next((n for n, t in baselines.items() if t.verdict.ok), None)
+        if reference is None:
+            why = "; ".join(f"{n}: {t.verdict.failure}: {t.verdict.message}" for n, t in baselines.items())
+            raise EvaluationError(f"no baseline of {self.workload.name!r} could be timed on {shape}: {why}")
+        fitness = baselines[reference].median_us / candidate.median_us
+        return EvalResult(fitness, verdict, shape.label, candidate, reference, baselines, bench.floor_us)
+
+    def _baseline_check(self, name: str, text: str, shapes: list[Shape]) -> Verdict:
+        """A baseline is checked once per text and shape set (it does not change between candidates)."""
+        key = (hashlib.sha256(text.encode()).hexdigest(), tuple(s.label for s in shapes))
+        if key not in self._baseline_checks:
+            self._baseline_checks[key] = self._check(text, name, shapes)
+        return self._baseline_checks[key]

@@ -1,0 +1,232 @@
+"""Running a workload's program on a user's tensors, inside the user's own distributed program.
+
+The user has initialized torch.distributed (one process per GPU: NCCL on CUDA, gloo on CPU). This
+process then gets one `RankContext` over that default group, made at the first op call and kept
+(`context()`); each program text is loaded once; and each program's `setup` state is kept per
+shape, because setup allocates symmetric windows, creates device communicators and compiles
+kernels, far too slow to repeat per call.
+
+Collective: setup talks to every rank. All ranks must make the same op calls, in the same order,
+with tensors of the same shapes (kv-transfer: the same tables and cache geometry on both ranks of
+a pair). When a call needs a new setup, the ranks first compare what they were given and all
+raise the same ValueError if they differ, instead of hanging in a half-matched collective. An
+error only one rank raises (a bad tensor on that rank alone) leaves the others waiting in the
+program's collectives, as with any torch.distributed collective. Each shape's state (its windows)
+is kept until `close()`: a model whose shapes vary call to call pays a setup for every new one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commweave.evaluate.program import load_program, parse_program, unavailable_reason
+from commweave.ops.exported import export_info
+from commweave.runtime.context import RankContext
+from commweave.runtime.launch import on_device
+from commweave.workloads import Shape, Workload, get_workload
+
+#: a program: None (the workload's seed), one of its program names, or a program file's path
+ProgramSpec = str | os.PathLike | None
+
+_context: RankContext | None = None
+_modules: dict[str, types.ModuleType] = {}  # program text digest -> loaded module
+_states: dict[tuple[Any, ...], tuple[types.ModuleType, Any]] = {}  # (workload, digest, shape) -> (module, state)
+_warned: set[str] = set()  # workloads whose seed fallback was announced
+
+
+def context(device: torch.device | str | None = None) -> RankContext:
+    """This process's RankContext over the default process group, created at first use (a
+    collective: every rank's first op call makes it together) and kept until `close()`."""
+    global _context
+    wanted = _normalized(device) if device is not None else None
+    if _context is None:
+        _context = RankContext.from_process_group(wanted)
+    elif wanted is not None and wanted != _context.device:
+        raise ValueError(f"commweave.ops runs on one device per process: its context is on {_context.device}, "
+                         f"these tensors are on {wanted}")
+    return _context
+
+
+def close() -> None:
+    """Collective: tear down every program's state and this process's context (NCCL communicator,
+    windows). Call it on every rank before `destroy_process_group()`; a later op call starts over."""
+    global _context
+    if _context is None:
+        return
+    ctx, _context = _context, None
+    try:
+        for module, state in _states.values():
+            teardown = getattr(module, "teardown", None)
+            if teardown is not None:
+                teardown(ctx, state)
+    finally:
+        _states.clear()
+        ctx.close()
+        if dist.is_initialized():
+            dist.destroy_process_group(ctx.cpu_group)
+
+
+def _normalized(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _loaded(text: str, name: str) -> tuple[types.ModuleType, str]:
+    """(module, digest) of a program text, executed once per process."""
+    digest = parse_program(text).digest
+    if digest not in _modules:
+        _modules[digest] = load_program(text, name)
+    return _modules[digest], digest
+
+
+def program_source(wl: Workload, program: ProgramSpec) -> tuple[str, str]:
+    """(name, text) of `program` for workload `wl`: None is its seed; a name of one of its
+    programs; anything else a file (such as one `commweave export` wrote), which must not be
+    exported for another workload."""
+    if program is None:
+        return wl.seed, wl.program_text(wl.seed)
+    if not isinstance(program, (str, os.PathLike)):
+        raise ValueError(f"program must be None, a program name or a file path, not {type(program).__name__}")
+    if isinstance(program, str) and program in wl.program_names():
+        return program, wl.program_text(program)
+    path = Path(program)
+    if not path.is_file():
+        raise ValueError(f"program {os.fspath(program)!r} is neither a program of {wl.name} "
+                         f"({', '.join(wl.program_names())}) nor a file")
+    text = path.read_text()
+    info = export_info(text)
+    if info is not None and info["workload"] != wl.name:
+        raise ValueError(f"{path} was exported for workload {info['workload']!r}, not {wl.name!r}")
+    return path.stem, text
+
+
+class Op:
+    """A workload's program as a function of a user's tensors: `Op("gemm-allgather")(a=..., b=...)`
+    returns this rank's output. Tensors are named as in the workload's `make_inputs`; `out` is an
+    output the caller owns (written in place, e.g. kv-transfer's paged cache), else one is made;
+    other keywords are options of the workload's `shape_from_inputs` (attention's `causal`).
+
+    With `program=None` it runs the workload's seed, or, where the seed says it cannot run here
+    (`available(ctx)`, e.g. on CPU), the workload's fitness baseline, with one warning."""
+
+    def __init__(self, workload: str | Workload, program: ProgramSpec = None):
+        self.workload = get_workload(workload) if isinstance(workload, str) else workload
+        self.default = program is None
+        self.program, self._text = program_source(self.workload, program)
+        parse_program(self._text)  # a malformed file fails here, not at the first call
+        self._module: types.ModuleType | None = None
+        self._digest = ""
+        params = inspect.signature(self.workload.shape_from_inputs).parameters
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        self._options = {n for n, p in params.items() if p.kind in named and n not in ("inputs", "world_size", "rank", "out")}
+
+    def __repr__(self) -> str:
+        return f"Op({self.workload.name!r}, program={self.program!r})"
+
+    def __call__(self, out: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        wl = self.workload
+        options = {k: v for k, v in kwargs.items() if k in self._options}
+        inputs = {k: v for k, v in kwargs.items() if k not in self._options and v is not None}
+        first = next((v for v in [*inputs.values(), out] if isinstance(v, torch.Tensor)), None)
+        if first is None:
+            raise ValueError(f"{wl.name} got no tensors (expects them named as in make_inputs)")
+        ctx = context(first.device)
+        shape = wl.shape_from_inputs(inputs, ctx.world_size, ctx.rank, out=out, **options)
+        inputs = {k: v.contiguous() for k, v in inputs.items()}
+        if out is not None:
+            _check_out(out, wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta")), ctx.device)
+        if getattr(wl, "symmetric_output", False) and ctx.is_cuda:
+            _check_symmetric(ctx, wl, out)
+        with on_device(ctx.device):
+            module = self._resolve(ctx)
+            state = self._state(ctx, module, shape)
+            if out is None:
+                out = wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device)
+            module.run(ctx, state, inputs, out)
+        return out
+
+    def _resolve(self, ctx: RankContext) -> types.ModuleType:
+        """The program module to run on this rank (the seed, or its fallback; loaded once)."""
+        if self._module is not None:
+            return self._module
+        wl = self.workload
+        module, digest = _loaded(self._text, self.program)
+        reason = unavailable_reason(module, ctx)
+        if reason and not self.default:
+            raise RuntimeError(f"program {self.program!r} of {wl.name} cannot run here: {reason}")
+        if reason:
+            fallback = wl.baselines[0]
+            module, digest = _loaded(wl.program_text(fallback), fallback)
+            why_not = unavailable_reason(module, ctx)
+            if why_not:
+                raise RuntimeError(f"{wl.name}: neither its seed ({reason}) nor its baseline {fallback!r} ({why_not}) "
+                                   "can run here")
+            if wl.name not in _warned:
+                _warned.add(wl.name)
+                warnings.warn(f"commweave.ops: {wl.name}'s seed cannot run here ({reason}); running its baseline "
+                              f"program {fallback!r} instead", RuntimeWarning, stacklevel=4)
+            self.program = fallback
+        self._module, self._digest = module, digest
+        return module
+
+    def _state(self, ctx: RankContext, module: types.ModuleType, shape: Shape) -> Any:
+        """`setup(ctx, shape)`'s state, made once per (program, shape) after the ranks agree."""
+        key = (self.workload.name, self._digest, shape.label, tuple(sorted(shape.params.items())))
+        if key not in _states:
+            everyone: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(everyone, (self.program, key), group=ctx.cpu_group)
+            if any(theirs != key for _, theirs in everyone):
+                listed = "; ".join(f"rank {r}: {k[0]} program {name!r} on {k[2]}" for r, (name, k) in enumerate(everyone))
+                raise ValueError(f"ranks called {self.workload.name} with different programs or shapes ({listed}); "
+                                 "setup is collective: every rank must pass tensors of the same shapes")
+            _states[key] = (module, module.setup(ctx, shape))
+        return _states[key][1]
+
+
+def symmetric_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.bfloat16,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """A zeroed tensor in a symmetric window of this process's context, which peers' device
+    programs can store into: on GPUs, the output of a workload whose programs need one (kv-transfer's
+    paged cache). Collective: every rank calls it in the same order with the same shape. It lives
+    until `close()`. On CPU there are no windows: a plain zeroed tensor."""
+    ctx = context(device)
+    if not ctx.is_cuda:
+        return torch.zeros(tuple(shape), dtype=dtype, device=ctx.device)
+    with torch.cuda.device(ctx.device):
+        return ctx.symmetric(tuple(shape), dtype)
+
+
+def _check_symmetric(ctx: RankContext, wl: Workload, out: torch.Tensor | None) -> None:
+    """A ValueError unless `out` lies in one of this context's windows (a workload whose device
+    programs store into peers' outputs: its output must be symmetric on every rank)."""
+    how = "allocate it with commweave.ops.symmetric_zeros(shape, dtype) on every rank"
+    if out is None:
+        raise ValueError(f"on GPUs {wl.name}'s programs store into peers' outputs: pass the output, {how}")
+    try:
+        ctx.window(out)
+    except ValueError:
+        raise ValueError(f"on GPUs {wl.name}'s programs store into peers' outputs, so the output must lie in a "
+                         f"symmetric window: {how}") from None
+
+
+def _check_out(out: Any, expected: torch.Tensor, device: torch.device) -> None:
+    """A ValueError unless the caller's `out` matches the workload's output for this call."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"the output must be a torch.Tensor, not {type(out).__name__}")
+    if tuple(out.shape) != tuple(expected.shape) or out.dtype != expected.dtype:
+        raise ValueError(f"the output must be {tuple(expected.shape)} {expected.dtype} for these inputs, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"the output is on {out.device}, the inputs on {device}")
+    if not out.is_contiguous():
+        raise ValueError("the output must be contiguous (programs write it in place)")

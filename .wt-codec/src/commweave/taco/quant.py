@@ -1,0 +1,363 @@
+"""FP8 group quantization with an optional Hadamard transform and dual scales (torch reference).
+
+A tensor is flattened and cut into groups of G contiguous elements (G a power of two, 32..512).
+Per group, with every option on (the TACO scheme):
+
+    s1 = rms(x)                      pre-scale (FP32): the group to unit RMS
+    y  = H (x * (1/s1))              orthonormal fast Walsh-Hadamard transform, spreads outliers
+    s2 = absmax(y) / FP8_MAX         post-scale (FP32): the group's largest value to the FP8 maximum
+    q  = fp8(y * (1/s2))             payload, float8_e4m3fn or float8_e5m2
+
+and decompression is x ~= s1 * H(s2 * q) (H is symmetric and orthonormal: its own inverse).
+Each scale is applied as a multiplication by its correctly rounded reciprocal (one division per
+group, none per element: the fused kernels' compress is bound by arithmetic, and a per-element
+IEEE division costs several instructions; the quotient differs by at most an ulp before the FP8
+rounding). Scales are floored at FP32's smallest normal, so every reciprocal is finite.
+
+Options, each switchable so its value can be measured (bench/taco_error_table.py):
+  hadamard=False     no transform (y = x / s1)
+  hadamard="adaptive"  per group, whichever of transform / no transform quantizes it with the lower
+                     L2 error (both are tried); the choice travels in the sign of the post-scale
+                     (negative: transformed), so it costs no extra bytes. This is our option, not
+                     the paper's: the error table shows that with FP8 *floating-point* payloads the
+                     transform hurts groups that hold outliers (it spreads the outlier's rounding
+                     error over the small values, which per-group scaling alone would keep exact to
+                     FP8's relative precision) and helps little elsewhere. The L2 criterion is
+                     dominated by a group's largest values, so it does not by itself protect the
+                     small ones.
+  dual_scale=False   one absmax scale per group after the transform (s1 = 1, not stored)
+  fmt                'e4m3' (max 448, 3 mantissa bits) or 'e5m2' (max 57344, 2 mantissa bits)
+  transform_input_dtype  the dtype the transform's input is rounded to. FP32 by default; fast
+                     Hadamard kernels run the transform as a 16-bit tensor-core matmul (FP32
+                     accumulation), which this option emulates with a saturating cast. In exact
+                     FP32 arithmetic the two scales multiply to the single scale, so the dual
+                     scale only shows its value where the transform's input is 16-bit: the
+                     pre-scale keeps near-zero groups out of FP16's subnormals and huge ones out of
+                     its overflow.
+
+Sizes that are not a multiple of G: with pad=True (default) the flattened tensor is padded with
+zeros to the next multiple of G (the padding is part of the payload and dropped on decompress);
+with pad=False a ValueError is raised. Zero groups get scales of 1 (payload zeros), so zeros,
+constants, FP32 subnormals and huge finite outliers never produce NaN or Inf: with dual scales for
+every finite FP32 input; with a single scale and the transform on, for |x| <= FP32_MAX / G
+(about 6.6e35 at G=512: the transform sees the raw values). Non-finite inputs are not supported
+(they propagate).
+
+Sums (the RMS's sum of squares, the adaptive mode's L2 errors) are pairwise in a fixed order
+(`_pairwise_sum`: halves added, log2(G) times), not torch's unspecified reduction order, and the
+RMS's square root is correctly rounded (`_sqrt_rn`), so that the fused Triton kernels
+(`kernels.py`) can reproduce every bit of this reference.
+
+Works on CPU and on CUDA tensors alike (pure torch). `impl="cuda"` runs the CUDA kernels
+(`cuda.py`, CUDA tensors); `compress(..., impl="triton")` and
+`decompress(..., impl="triton")` run the fused Triton kernels instead (CUDA tensors compiled; CPU
+tensors only under TRITON_INTERPRET=1, Triton's interpreter); the reference stays the default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+import torch
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}
+TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_GROUP, MAX_GROUP = 32, 512
+GROUP_SIZES = tuple(1 << i for i in range(MIN_GROUP.bit_length() - 1, MAX_GROUP.bit_length()))  # every one allowed
+_TINY = torch.finfo(torch.float32).smallest_normal
+Impl = Literal["reference", "triton", "cuda"]
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a tensor is compressed; every switch is independent."""
+
+    group_size: int = 128
+    fmt: str = "e4m3"
+    hadamard: bool | str = True  # True, False or "adaptive"
+    dual_scale: bool = True
+    pad: bool = True
+    transform_input_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        g = self.group_size
+        if not isinstance(g, int) or isinstance(g, bool) or g < MIN_GROUP or g > MAX_GROUP or g & (g - 1):
+            raise ValueError(f"group_size must be a power of two in {MIN_GROUP}..{MAX_GROUP}, got {g!r}")
+        if not (isinstance(self.hadamard, bool) or self.hadamard == "adaptive"):
+            raise ValueError(f"hadamard must be True, False or 'adaptive', got {self.hadamard!r}")
+        if self.fmt not in FP8_DTYPES:
+            raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {self.fmt!r}")
+        if self.transform_input_dtype not in TRANSFORM_INPUT_DTYPES:
+            raise ValueError(f"transform_input_dtype must be one of {TRANSFORM_INPUT_DTYPES}, got {self.transform_input_dtype}")
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def _fields(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __hash__(self) -> int:
+        """Computed once: a config keys the collectives' buffers and kernels, ~10 lookups a call."""
+        return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Pickled as its fields: the cached hash (of a dtype, a str) is only valid in this process."""
+        return type(self), self._fields()
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return FP8_DTYPES[self.fmt]
+
+    @property
+    def fp8_max(self) -> float:
+        return FP8_MAX[self.fmt]
+
+    @property
+    def scales_per_group(self) -> int:
+        return 2 if self.dual_scale else 1
+
+    def num_groups(self, numel: int) -> int:
+        if numel % self.group_size and not self.pad:
+            raise ValueError(f"{numel} elements are not a multiple of group_size={self.group_size} and pad=False")
+        return -(-numel // self.group_size)
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes on the wire for `numel` elements: FP8 payload (padded) plus FP32 scales."""
+        groups = self.num_groups(numel)
+        return groups * self.group_size + 4 * self.scales_per_group * groups
+
+    def packed_stride(self, numel: int) -> int:
+        """Bytes from one packed message of `numel` elements to the next in a buffer holding several
+        (a reduce-scatter's chunks): wire bytes rounded up to 16, the CUDA kernels' access alignment."""
+        return -(-self.wire_bytes(numel) // 16) * 16
+
+
+@dataclass
+class Compressed:
+    """A compressed tensor: FP8 payload (groups, G), FP32 scales (groups,), original shape/dtype."""
+
+    payload: torch.Tensor
+    scale: torch.Tensor  # post-transform absmax scale (the only one when dual_scale=False)
+    pre_scale: torch.Tensor | None  # RMS pre-scale, None when dual_scale=False
+    shape: torch.Size
+    dtype: torch.dtype
+    config: QuantConfig
+    # (payload, scale, pre_scale, config, address) once the CUDA kernels checked that the tensors are
+    # one packed message at `address` (cuda._packed_address); the collectives read the same cached
+    # views every call, so the check is done once per view, not per call
+    packed_check: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_groups(self) -> int:
+        return self.payload.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.pre_scale is None else self.pre_scale.numel() * 4
+        return self.payload.numel() + self.scale.numel() * 4 + extra
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dimension (a power of two).
+
+    Sylvester ordering: log2(n) unscaled butterfly stages (a + b, a - b), then one multiplication
+    by 1/sqrt(n) (rounded to x's dtype): orthogonal, symmetric, hence its own inverse. One scaling
+    instead of one per stage: half the arithmetic of the fused kernels' transform, which bounds
+    their compression. Intermediates grow by up to n, so FP32 inputs up to FP32_MAX / n cannot
+    overflow."""
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the last dimension must be a power of two, got {n}")
+    lead = x.shape[:-1]
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y * (1.0 / math.sqrt(n))).reshape(*lead, n)
+
+
+def _saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return x
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype).float()
+
+
+def _groups(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    flat = x.detach().reshape(-1).float()
+    groups = cfg.num_groups(flat.numel())
+    pad = groups * cfg.group_size - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(groups, cfg.group_size)
+
+
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Row sums of a (rows, 2^k) tensor in a fixed order (first half + second half, repeated), the
+    order the Triton kernels use, so both give the same bits."""
+    while t.shape[1] > 1:
+        half = t.shape[1] // 2
+        t = t[:, :half] + t[:, half:]
+    return t[:, 0]
+
+
+def _sqrt_rn(m: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 square root of non-negative FP32 `m`. torch's own sqrt is not on CPU
+    (torch 2.13: ~20 % of FP32 results 1 ulp off), and the kernels' sqrt_rn is: a FP64 estimate
+    rounded to FP32 is within an ulp; it moves to the neighbour whose rounding interval holds m
+    (the squares of FP32 midpoints, 25-bit numbers, are exact in FP64)."""
+    md = m.double()
+    r = md.sqrt().float()
+    up = torch.nextafter(r, torch.full_like(r, math.inf))
+    down = torch.nextafter(r, torch.zeros_like(r))
+    hi = (r.double() + up.double()) / 2
+    lo = (r.double() + down.double()) / 2
+    r = torch.where(hi * hi < md, up, r)
+    return torch.where(lo * lo > md, down, r)
+
+
+def _div_rn(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """`a / divisor`, IEEE round-to-nearest on every device. On CUDA, torch divides by a Python
+    number as a multiplication by its reciprocal (not always the correctly rounded quotient the
+    kernels' `div_rn` gives); a divisor tensor on `a`'s device takes the true division."""
+    return a / a.new_tensor(divisor)
+
+
+def _reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """1 / s, correctly rounded (a tensor divisor: the true division on every device)."""
+    return torch.ones_like(s) / s
+
+
+def _rms(g: torch.Tensor) -> torch.Tensor:
+    """Per-row RMS without overflow (|x| up to FP32 max) or underflow to zero for nonzero rows,
+    floored at the smallest normal (so its reciprocal is finite); 1 for zero rows."""
+    absmax = g.abs().amax(dim=1)
+    safe = torch.where(absmax > 0, absmax.clamp_min(_TINY), torch.ones_like(absmax))
+    rms = safe * _sqrt_rn(_div_rn(_pairwise_sum((g * _reciprocal(safe)[:, None]).square()), g.shape[1]))
+    # a row of tiny subnormals can round its RMS to zero: fall back to its (floored) absmax
+    return torch.where(rms > 0, rms.clamp_min(_TINY), safe)
+
+
+def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "reference") -> Compressed:
+    """Compress `x` (any shape, floating point) to FP8 groups with their scales.
+
+    impl="triton" / "cuda" runs a fused kernel (same bits as this reference; kernels.py, cuda.py)."""
+    cfg = cfg or QuantConfig()
+    if impl == "triton":
+        from commweave.taco import kernels
+        return kernels.compress(x, cfg)
+    if impl == "cuda":
+        from commweave.taco import cuda
+        return cuda.compress(x, cfg)
+    if impl != "reference":
+        raise ValueError(f"impl must be 'reference', 'triton' or 'cuda', got {impl!r}")
+    if not x.is_floating_point():
+        raise TypeError(f"compress needs a floating-point tensor, got {x.dtype}")
+    g = _groups(x, cfg)
+    pre = None
+    if cfg.dual_scale:
+        pre = _rms(g)
+        g = g * _reciprocal(pre)[:, None]
+    if cfg.hadamard == "adaptive":
+        q_t, s_t = _quantize(fwht(_saturating_cast(g, cfg.transform_input_dtype)), cfg)
+        q_p, s_p = _quantize(g, cfg)
+        err_t = _pairwise_sum((fwht(q_t.float() * s_t[:, None]) - g).square())
+        err_p = _pairwise_sum((q_p.float() * s_p[:, None] - g).square())
+        use_t = err_t < err_p
+        q = torch.where(use_t[:, None], q_t.view(torch.uint8), q_p.view(torch.uint8)).view(cfg.fp8_dtype)
+        return Compressed(q, torch.where(use_t, -s_t, s_p), pre, x.shape, x.dtype, cfg)
+    if cfg.hadamard:
+        g = fwht(_saturating_cast(g, cfg.transform_input_dtype))
+    q, scale = _quantize(g, cfg)
+    return Compressed(q, scale, pre, x.shape, x.dtype, cfg)
+
+
+def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax scale to the FP8 maximum, and the FP8 rows."""
+    absmax = g.abs().amax(dim=1)
+    scale = _div_rn(absmax, cfg.fp8_max)
+    # zero groups: scale 1; groups so small that absmax/FP8_MAX underflows: the smallest normal
+    scale = torch.where(absmax > 0, scale.clamp_min(_TINY), torch.ones_like(scale))
+    q = (g * _reciprocal(scale)[:, None]).clamp(-cfg.fp8_max, cfg.fp8_max).to(cfg.fp8_dtype)
+    return q, scale
+
+
+def decompress(c: Compressed, dtype: torch.dtype | None = None, impl: Impl = "reference") -> torch.Tensor:
+    """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from).
+
+    impl="triton" / "cuda" runs a fused kernel (same bits as this reference; kernels.py, cuda.py)."""
+    if impl == "triton":
+        from commweave.taco import kernels
+        return kernels.decompress(c, dtype)
+    if impl == "cuda":
+        from commweave.taco import cuda
+        return cuda.decompress(c, dtype)
+    if impl != "reference":
+        raise ValueError(f"impl must be 'reference', 'triton' or 'cuda', got {impl!r}")
+    if c.config.hadamard == "adaptive":  # a negative scale marks a transformed group
+        g = c.payload.float() * c.scale.abs()[:, None]
+        transformed = c.scale < 0
+        g[transformed] = fwht(g[transformed])
+    else:
+        g = c.payload.float() * c.scale[:, None]
+        if c.config.hadamard:
+            g = fwht(g)
+    if c.pre_scale is not None:
+        g = g * c.pre_scale[:, None]
+    out = g.reshape(-1)[: c.numel].view(c.shape)
+    return out.to(dtype or c.dtype)
+
+
+def roundtrip(x: torch.Tensor, cfg: QuantConfig | None = None) -> torch.Tensor:
+    return decompress(compress(x, cfg))
+
+
+def plain_fp8_cast(x: torch.Tensor, fmt: str = "e4m3", per_tensor_scale: bool = True) -> torch.Tensor:
+    """The baseline: cast the whole tensor to FP8 with one absmax scale (or none) and back."""
+    dtype, top = FP8_DTYPES[fmt], FP8_MAX[fmt]
+    xf = x.detach().float()
+    scale = torch.tensor(1.0)
+    if per_tensor_scale:
+        absmax = xf.abs().max()
+        scale = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax)).clamp_min(torch.finfo(torch.float32).smallest_normal)
+    q = (xf / scale).clamp(-top, top).to(dtype)
+    return (q.float() * scale).to(x.dtype)
+
+
+# -- wire format: one contiguous uint8 buffer per message (what a symmetric window would hold) --
+
+def pack(c: Compressed) -> torch.Tensor:
+    """payload bytes, then FP32 scale, then FP32 pre-scale (if any), as one uint8 tensor."""
+    parts = [c.payload.reshape(-1).view(torch.uint8), c.scale.contiguous().view(torch.uint8)]
+    if c.pre_scale is not None:
+        parts.append(c.pre_scale.contiguous().view(torch.uint8))
+    return torch.cat(parts)
+
+
+def packed_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
+    """A Compressed whose tensors are views of a packed buffer, no copy (for a peer's window, a
+    copy of the scales would be an extra NVLink round trip)."""
+    shape = torch.Size(shape)
+    numel = math.prod(shape)
+    groups = cfg.num_groups(numel)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != cfg.wire_bytes(numel):
+        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
+    n_payload = groups * cfg.group_size  # a multiple of 32: the scales stay 4-byte aligned
+    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
+    scale = buf[n_payload:n_payload + 4 * groups].view(torch.float32)
+    pre = buf[n_payload + 4 * groups:].view(torch.float32) if cfg.dual_scale else None
+    return Compressed(payload, scale, pre, shape, dtype, cfg)
+
+
+def unpack(buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
+    """Inverse of pack() for a tensor of `shape`/`dtype` compressed with `cfg`: a copy of the buffer
+    (which may sit at any byte offset, e.g. a slice of a received batch), viewed as packed_view does."""
+    return packed_view(buf.clone(), shape, dtype, cfg)

@@ -1,0 +1,1 @@
+"""DeepSeek-V3 MoE layer (expert parallel): dispatch, SwiGLU experts, combine."""

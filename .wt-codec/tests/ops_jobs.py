@@ -1,0 +1,161 @@
+"""Jobs for tests/test_ops.py and tests/gpu/test_ops_gpu.py, run inside WorkerPool workers
+(imported by name). They call `commweave.ops` the way a user's distributed program does: the
+worker's process group is initialized, and the ops make their own context from it (the pool's
+`ctx` is not used)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import commweave.ops as ops
+from commweave.evaluate.checks import poison_
+from commweave.ops import functions, runner
+from commweave.workloads import Shape, Workload, get_workload
+
+
+def _call(wl: Workload, shape: Shape, inputs: dict[str, torch.Tensor], out: torch.Tensor | None,
+          program: str | None) -> torch.Tensor:
+    """The workload's public op on `inputs` (named as in make_inputs)."""
+    if wl.name == "gemm-allgather":
+        return ops.gemm_allgather(inputs["a"], inputs["b"], program=program)
+    if wl.name in ("gemm-allgather-lossy", "moe-lossy"):  # no function of their own: the generic op by name
+        return ops.op(wl.name, program)(**inputs)
+    if wl.name == "attention-cp":
+        return ops.context_parallel_attention(inputs["q"], inputs["k"], inputs["v"], causal=bool(shape["CAUSAL"]),
+                                              program=program)
+    if wl.name == "moe":
+        return ops.moe_layer(inputs["x"], inputs["topk_idx"], inputs["topk_weights"], inputs["w13"], inputs["w2"],
+                             program=program)
+    if wl.name == "kv-transfer":
+        return ops.transfer_kv(inputs.get("kv"), inputs["src_blocks"], inputs["dst_blocks"], out, program=program)
+    raise ValueError(f"no op for {wl.name}")
+
+
+def _error(wl: Workload, shape: Shape, world: int, rank: int, seed: int, out: torch.Tensor) -> float:
+    """Relative Frobenius error against the reference; kv-transfer: 0 if its pages are bit-exact
+    and every other block kept its poison, else 1."""
+    if wl.name == "kv-transfer":
+        return 0.0 if wl.judge_strict(out, shape, world, rank, seed) is None else 1.0
+    ref = wl.reference(shape, world, rank, seed, out.device)
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def op_check(ctx, workload: str, shape_text: str, seed: int, calls: int = 2, program: str | None = None,
+             path: str | None = None) -> dict:
+    """Call a workload's op (or `ops.load(path)`) `calls` times with fresh inputs from make_inputs:
+    the largest error, whether the inputs stayed intact, and the warnings raised."""
+    wl = get_workload(workload)
+    world, rank, device = ctx.world_size, ctx.rank, ctx.device
+    shape = wl.parse_shape(shape_text, world)
+    worst, intact = 0.0, True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(calls):
+            inputs = wl.make_inputs(shape, world, rank, seed + call, device)
+            if wl.name == "kv-transfer":  # the stand-in prefill's x and w are not part of the op
+                inputs.pop("x", None)
+                inputs.pop("w", None)
+            out = None
+            if wl.name == "kv-transfer":  # the caller's cache, allocated as a user does (a window on GPUs)
+                like = wl.make_output(shape, world, rank, torch.device("meta"))
+                out = poison_(ops.symmetric_zeros(like.shape, like.dtype, device))
+            if path is not None:
+                result = ops.load(path)(out=out, **inputs)
+            else:
+                result = _call(wl, shape, inputs, out, program)
+            if out is not None and result is not out:
+                raise AssertionError("an op given its output must write and return that tensor")
+            worst = max(worst, _error(wl, shape, world, rank, seed + call, result))
+            pristine = wl.make_inputs(shape, world, rank, seed + call, device)
+            intact = intact and all(torch.equal(inputs[k], pristine[k]) for k in inputs)
+    return {"error": worst, "inputs_intact": intact, "warnings": [str(w.message) for w in caught],
+            "device": str(ops.context().device)}
+
+
+def fallback_warns_once(ctx) -> list[str]:
+    """Two gemm calls from a fresh start: the seed cannot run on CPU, so one warning, then none."""
+    functions._ops.pop(("gemm-allgather", None), None)
+    runner._warned.discard("gemm-allgather")
+    wl = get_workload("gemm-allgather")
+    shape = wl.check_shapes(ctx.world_size)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            inputs = wl.make_inputs(shape, ctx.world_size, ctx.rank, seed, ctx.device)
+            ops.gemm_allgather(inputs["a"], inputs["b"])
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def close_and_start_over(ctx) -> dict:
+    """`ops.close()` drops the context and the setups; the next call makes new ones and works."""
+    wl = get_workload("gemm-allgather")
+    shape = wl.check_shapes(ctx.world_size)[0]
+    inputs = wl.make_inputs(shape, ctx.world_size, ctx.rank, 9, ctx.device)
+    ops.gemm_allgather(inputs["a"], inputs["b"])
+    before = ops.context()
+    ops.close()
+    ops.close()  # a second close does nothing
+    out = ops.gemm_allgather(inputs["a"], inputs["b"])
+    return {"new_context": ops.context() is not before, "states": len(runner._states),
+            "error": _error(wl, shape, ctx.world_size, ctx.rank, 9, out)}
+
+
+def _raises(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_calls(ctx) -> dict[str, str]:
+    """What each bad call raises, on every rank (the same bad call on every rank, or, for
+    'ranks_disagree', different shapes per rank: caught when the ranks compare before setup)."""
+    rank, world = ctx.rank, ctx.world_size
+    a = torch.randn(8, 16).bfloat16()
+    b = torch.randn(16, 4).bfloat16()
+    got = {
+        "dtype": _raises(ops.gemm_allgather, a.float(), b),
+        "inner_dim": _raises(ops.gemm_allgather, a, b[:15]),
+        "seed_on_cpu": _raises(ops.gemm_allgather, a, b, program="seed"),
+        "unknown_program": _raises(ops.gemm_allgather, a, b, program="no_such_program"),
+        "causal_not_bool": _raises(ops.context_parallel_attention, a.view(8, 2, 8), a.view(8, 2, 8), a.view(8, 2, 8),
+                                   causal="yes"),
+        "kv_on_destination": _raises(ops.transfer_kv, torch.zeros(1, 2, 16, 1, 128).bfloat16(),
+                                     torch.tensor([0]), torch.tensor([1]), torch.zeros(1, 2, 4, 16, 1, 128).bfloat16())
+        if rank % 2 else "skipped",
+        "ranks_disagree": _raises(ops.gemm_allgather, torch.randn(8 + 2 * rank, 16).bfloat16(), b),
+    }
+    # The ops still work after all that (no rank is left inside a collective).
+    wl = get_workload("gemm-allgather")
+    shape = wl.check_shapes(world)[0]
+    inputs = wl.make_inputs(shape, world, rank, 5, ctx.device)
+    out = ops.gemm_allgather(inputs["a"], inputs["b"])
+    got["after"] = f"{_error(wl, shape, world, rank, 5, out):.3g}"
+    dist.barrier(group=ops.context().cpu_group)
+    return got
+
+
+def gemm_vs_torch(ctx, shape_text: str, seed: int, calls: int = 3) -> dict:
+    """GPU: `ops.gemm_allgather` with the seed (no fallback) against NCCL all-gather + torch.matmul
+    in float32, `calls` times with fresh inputs (the seed's first call runs eagerly, later ones
+    through CUDA graphs)."""
+    wl = get_workload("gemm-allgather")
+    world, rank = ctx.world_size, ctx.rank
+    shape = wl.parse_shape(shape_text, world)
+    worst = 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(calls):
+            inputs = wl.make_inputs(shape, world, rank, seed + call, ctx.device)
+            out = ops.gemm_allgather(inputs["a"], inputs["b"])
+            parts = [torch.empty_like(inputs["a"]) for _ in range(world)]
+            dist.all_gather(parts, inputs["a"])
+            want = torch.cat(parts).float() @ inputs["b"].float()
+            torch.cuda.synchronize()
+            worst = max(worst, float((out.float() - want).norm() / want.norm()))
+    return {"error": worst, "program": functions.op("gemm-allgather").program,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}

@@ -1,0 +1,16 @@
+"""Broken: every value 0.1% too large, ten times the float32 tolerance (expected: wrong_result)."""
+
+import torch
+import torch.distributed as dist
+
+# EVOLVE-BLOCK-START
+def setup(ctx, shape):
+    return {}
+
+
+def run(ctx, state, inputs, out):
+    parts = [torch.empty_like(inputs["a"]) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, inputs["a"], group=ctx.group)
+    torch.mm(torch.cat(parts), inputs["b"], out=out)
+    out.mul_(1.001)
+# EVOLVE-BLOCK-END

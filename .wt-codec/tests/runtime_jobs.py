@@ -1,0 +1,32 @@
+"""Job functions for the CPU pool tests (workers import them by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_sum(ctx, offset: int) -> float:
+    t = torch.tensor([float(offset + ctx.rank)])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def hang_on_rank0(ctx) -> str:
+    if ctx.rank == 0:
+        time.sleep(3600)
+    return "done"
+
+
+def raise_on_rank1(ctx) -> None:
+    if ctx.rank == 1:
+        raise ValueError("rank 1 broke")
+
+
+def exit_on_rank0(ctx) -> None:
+    if ctx.rank == 0:
+        os._exit(9)
+    time.sleep(3600)

@@ -1,0 +1,213 @@
+"""The cascade on a 2-rank CPU pool (gloo): correct, broken and cheating programs are classified,
+and the same pool keeps judging the correct program correctly after each broken one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+import commweave.evaluate.evaluator as evaluator_module
+from commweave.evaluate import CANDIDATE, EvaluationError, Evaluator, FailureClass, MachineRates, calibrate
+from commweave.runtime import WorkerPool
+from toy_workload import (
+    ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithUnavailableBaseline, ToyZeroReference,
+)
+
+TESTS = Path(__file__).parent
+PROGRAMS = TESTS / "programs_cpu"
+TOY = ToyGatherMatmul()
+BENCH_SHAPE = TOY.make_shape(64, 64, 64)
+
+
+def program(name: str) -> str:
+    return (PROGRAMS / f"{name}.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
+    with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def evaluator(pool):
+    return Evaluator(pool, TOY, warmup=2, iters=10)
+
+
+def assert_host_still_passes(evaluator: Evaluator) -> None:
+    verdict = evaluator.check(program("host"))
+    assert verdict.ok, verdict.message
+
+
+def test_correct_program_passes_every_shape_and_seed(evaluator):
+    verdict = evaluator.check(program("host"))
+    assert verdict.ok, verdict.message
+    assert "3 seeds on 2 shapes" in verdict.message
+
+
+BROKEN = [
+    # program, class, words in the message, failing rank (None: any)
+    ("raises", FailureClass.RUNTIME_ERROR, "ValueError: rank 1 lost its way", 1),
+    ("setup_raises", FailureClass.RUNTIME_ERROR, "setup() raised MemoryError", 0),
+    ("wrong_values", FailureClass.WRONG_RESULT, "relative error 0.001 exceeds tolerance", 0),
+    ("writes_nothing", FailureClass.WRONG_RESULT, "output not written: 42 of 42 elements", 0),
+    ("writes_nan", FailureClass.NAN, "1 NaN/Inf of 42", 1),
+    ("mutates_input", FailureClass.WRONG_RESULT, "input 'b' was modified", 0),
+    ("cached_output", FailureClass.WRONG_RESULT, "relative error", 0),
+    ("fake_illegal_address", FailureClass.ILLEGAL_ADDRESS, "illegal memory access", None),
+    ("worker_exit", FailureClass.RUNTIME_ERROR, "exit code 7", 1),
+    ("cuda_compile_error", FailureClass.COMPILE_ERROR, "undeclared_factor", None),
+    ("unavailable", FailureClass.UNAVAILABLE, "needs hardware no machine has", 0),
+]
+
+
+@pytest.mark.parametrize("name, failure, words, rank", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_program_is_classified_and_the_pool_survives(evaluator, name, failure, words, rank):
+    verdict = evaluator.check(program(name))
+    assert verdict.failure == failure, verdict.message
+    assert not verdict.ok and words in verdict.message
+    if rank is not None:
+        assert verdict.rank == rank, verdict.message
+    assert_host_still_passes(evaluator)
+
+
+def test_an_ordinary_exception_costs_no_pool_restart(evaluator):
+    restarts = evaluator.pool.restarts
+    assert evaluator.check(program("raises")).failure == FailureClass.RUNTIME_ERROR
+    assert evaluator.check(program("setup_raises")).failure == FailureClass.RUNTIME_ERROR
+    assert evaluator.pool.restarts == restarts
+
+
+def test_failures_name_shape_and_seed(evaluator):
+    verdict = evaluator.check(program("wrong_values"))
+    assert verdict.shape == "3x5x7" and verdict.seed is not None
+    assert f"shape 3x5x7, seed {verdict.seed}" in verdict.message
+
+
+def test_cached_output_passes_its_first_run_and_fails_the_second(evaluator, monkeypatch):
+    monkeypatch.setattr(evaluator_module, "fresh_seed_base", lambda: 1000)  # seeds 1000, 1001, 1002
+    verdict = evaluator.check(program("cached_output"), [TOY.make_shape(3, 5, 7)])
+    assert verdict.failure == FailureClass.WRONG_RESULT
+    assert verdict.seed == 1001 and verdict.rank == 0
+
+
+def test_seeds_are_fresh_on_every_call(evaluator):
+    seeds = {evaluator.check(program("wrong_values")).seed for _ in range(3)}
+    assert len(seeds) == 3
+
+
+def test_deadlock_times_out_and_the_pool_recovers(pool):
+    short = Evaluator(pool, TOY, job_timeout_s=5)
+    restarts = pool.restarts
+    verdict = short.check(program("deadlock"))
+    assert verdict.failure == FailureClass.TIMEOUT, verdict.message
+    assert "no answer within" in verdict.message and "restarted" in verdict.message
+    assert pool.restarts == restarts + 1
+    assert_host_still_passes(short)
+
+
+def test_syntax_error_never_reaches_the_pool(evaluator):
+    jobs_before = evaluator.pool._next_job
+    verdict = evaluator.check(program("host").replace("def run(ctx, state, inputs, out):", "def run(ctx,"))
+    assert verdict.failure == FailureClass.COMPILE_ERROR and "syntax error" in verdict.message
+    assert evaluator.pool._next_job == jobs_before
+
+
+def test_evaluate_correct_candidate(evaluator):
+    result = evaluator.evaluate(program("host"), BENCH_SHAPE)
+    assert result.verdict.ok, result.verdict.message
+    assert result.baseline == "host" and result.fitness > 0
+    assert "3 seeds on 3 shapes: 3x5x7, 16x8x12, 64x64x64" in result.verdict.message
+    assert result.candidate is not None and len(result.candidate.per_iter_us) == evaluator.iters
+    assert result.candidate.min_us <= result.candidate.median_us <= result.candidate.p90_us
+    host = result.baselines["host"]
+    assert math.isclose(result.fitness, host.median_us / result.candidate.median_us)
+    json.dumps(asdict(result))
+
+
+def test_slow_candidate_scores_below_one(evaluator):
+    result = evaluator.evaluate(program("slow"), BENCH_SHAPE)
+    assert result.verdict.ok, result.verdict.message
+    assert 0 < result.fitness < 0.5, result
+    assert result.candidate.median_us > 50_000  # it sleeps 50 ms per call
+
+
+def test_candidate_failing_its_check_scores_zero(evaluator):
+    result = evaluator.evaluate(program("writes_nan"), BENCH_SHAPE)
+    assert result.fitness == 0.0 and result.verdict.failure == FailureClass.NAN
+    assert result.candidate is None
+
+
+def test_faster_than_the_floor_is_suspect(pool):
+    impossible = Evaluator(pool, TOY, warmup=0, iters=3, rates=MachineRates(1.0, 1.0, 1.0))
+    result = impossible.evaluate(program("host"), BENCH_SHAPE)
+    assert result.fitness == 0.0 and result.verdict.failure == FailureClass.SUSPECT
+    assert "below the physical floor" in result.verdict.message
+
+
+def test_work_escaping_the_timed_region_is_suspect(evaluator):
+    bench = evaluator.benchmark({"escapes": program("escapes_timer"), "host": program("host")}, BENCH_SHAPE)
+    escapes, host = bench.programs["escapes"], bench.programs["host"]
+    assert escapes.verdict.failure == FailureClass.SUSPECT, escapes.verdict.message
+    assert "not ready at the end of the timed region" in escapes.verdict.message
+    assert host.verdict.ok and len(host.per_iter_us) == evaluator.iters
+    assert bench.input_sets == 16  # tiny inputs: the cap on rotating sets
+    assert_host_still_passes(evaluator)
+
+
+def test_benchmark_reports_compile_failures_and_times_the_rest(evaluator):
+    bench = evaluator.benchmark({"bad": "def run(:", "host": program("host")}, BENCH_SHAPE)
+    assert bench.programs["bad"].verdict.failure == FailureClass.COMPILE_ERROR
+    assert bench.programs["bad"].median_us is None
+    assert bench.programs["host"].verdict.ok and bench.programs["host"].median_us > 0
+    assert list(bench.programs) == ["bad", "host"]
+
+
+def test_unavailable_baseline_is_reported_and_skipped(pool):
+    result = Evaluator(pool, ToyWithUnavailableBaseline(), warmup=1, iters=5).evaluate(program("host"), BENCH_SHAPE)
+    assert result.verdict.ok, result.verdict.message
+    assert result.baseline == "host" and result.fitness > 0
+    assert result.baselines["unavailable"].verdict.failure == FailureClass.UNAVAILABLE
+    assert list(result.baselines) == ["unavailable", "host"]
+
+
+def test_a_broken_workload_fails_every_program_as_the_harness(pool):
+    verdict = Evaluator(pool, ToyZeroReference()).check(program("host"))
+    assert verdict.failure == FailureClass.RUNTIME_ERROR
+    assert "harness failed" in verdict.message and "trivial" in verdict.message
+
+
+def test_no_usable_baseline_raises(pool):
+    with pytest.raises(EvaluationError, match="no baseline .* unavailable: this program needs"):
+        Evaluator(pool, ToyWithoutBaseline(), warmup=0, iters=2).evaluate(program("host"), BENCH_SHAPE)
+
+
+def test_workload_that_workers_cannot_build_raises(pool):
+    with pytest.raises(EvaluationError, match="cannot be built in this worker"):
+        Evaluator(pool, ToyOnlyInTheParent()).check(program("host"))
+
+
+def test_calibrate_measures_positive_rates(pool):
+    rates = calibrate(pool)
+    for value in (rates.matmul_flops_per_s, rates.link_bytes_per_s, rates.hbm_bytes_per_s):
+        assert math.isfinite(value) and value > 0
+
+
+class ClashingBaselineName(ToyGatherMatmul):
+    baselines = (CANDIDATE,)
+
+
+def test_workload_classes_must_be_importable_and_not_reuse_the_candidates_name(pool):
+    class Local(ToyGatherMatmul):
+        pass
+
+    with pytest.raises(ValueError, match="module level"):
+        Evaluator(pool, Local())
+    with pytest.raises(ValueError, match="reserved"):
+        Evaluator(pool, ClashingBaselineName())
