@@ -10,9 +10,8 @@ workload's `cost()`. Terms:
   FP8 compression halves the payload (plus one scale per group) and adds a quantisation pass;
 - computation: FLOPs at the matmul rate on the SMs left over by communication CTAs, plus a launch
   per piece the computation is cut into, plus with compression the codec's passes on those SMs
-  (compressing the own shard, decompressing what arrives, at the HBM rate): on 2 H200s, where the
-  BF16 gather already hid behind the GEMM, FP8 measured slower, and a model without this term
-  ranked it faster;
+  (compressing the own shard, decompressing what arrives, at the HBM rate), so compression ranks
+  slower where the uncompressed exchange already hides behind the computation;
 - placement: deferred adds them; split/fused overlap them, except the part of the shorter one that
   cannot hide (one piece's worth).
 Template knobs are not modelled: the measured database ranks them.
