@@ -306,7 +306,7 @@ def test_sigkill_mid_run_loses_no_evaluated_program(tmp_path):
     lost = [k for k in evaluated if k not in stored]
     assert len(lost) <= 1 and (not lost or lost[0] == evaluated[-1])  # at most the one being committed
     before = db.count()
-    assert before >= 15
+    assert before >= 14  # the log may hold one evaluation not yet committed
     t = TEMPLATE
     ev = SimulatedEvaluator(t, 4, t.seed_directives().with_(comm_ctas=16))
     db.set_meta(budget={"evaluations": before + 10, "seconds": None})
