@@ -141,16 +141,24 @@ def test_rendering_reads_the_report(report_and_steps):
     assert sum(line.startswith(f"{s.label} broken: wrong_result") for s in SHAPES for line in lines) == 2
 
 
-def test_batches_without_checks(pool, report_and_steps):
+def test_batches_hold_the_survivors_and_the_first_holds_the_failures(pool, report_and_steps):
     rates = report_and_steps[0].rates
-    programs = {"host": program("host"), "a": KNOBS, "b": program("host")}
-    report = bench_workload(pool, TOY, SHAPES[:1], programs, iters=3, warmup=1, rates=rates, check_shapes=[],
-                            check_each_shape=False, batch=1)
-    assert report.checks == {} and report.rates == rates
-    assert [row.programs for row in report.rows] == [["host", "a"], ["host", "b"]]
+    steps: list[BenchStep] = []
+    programs = {"host": program("host"), "a": KNOBS, "broken": program("wrong_values"), "b": program("host")}
+    report = bench_workload(pool, TOY, SHAPES[:1], programs, iters=3, warmup=1, rates=rates,
+                            check_shapes=[TOY.make_shape(3, 5, 7)], check_each_shape=False, batch=1,
+                            progress=steps.append)
+    assert report.rates == rates and not report.checks["broken"].ok and report.checks["a"].ok
+    assert [row.programs for row in report.rows] == [["host", "a", "broken"], ["host", "b"]]
+    assert [sorted(row.timings) for row in report.rows] == [["a", "host"], ["b", "host"]]
     assert all(row.verdict("host").ok and row.speedup(name) for row, name in zip(report.rows, "ab"))
+    assert [s.description.split(":")[0] for s in steps] == ["checking 4 programs on 1 check shapes", "64x64x64", "64x64x64"]
+    assert [(s.done, s.total) for s in steps] == [(0, 4), (1, 3), (2, 3)]  # three batches planned, two needed
     table, hidden = ranking_table(report, "sweep", top=1)
-    assert hidden == 1 and [c.header for c in table.columns][0] == "program" and len(table.rows) == 2
+    assert hidden == 2 and [c.header for c in table.columns][0] == "program" and len(table.rows) == 2
+    unchecked = bench_workload(pool, TOY, SHAPES[1:], {"host": program("host")}, iters=3, warmup=1, rates=rates,
+                               check_shapes=[], check_each_shape=False)
+    assert unchecked.checks == {} and unchecked.rows[0].verdict("host").ok and unchecked.rows[0].median_us("host")
     with pytest.raises(ValueError, match="no yardstick nope"):
         bench_workload(pool, TOY, SHAPES, programs, yardsticks=["nope"], rates=rates)
 

@@ -174,7 +174,7 @@ class BenchStep:
     description: str
     done: int
     total: int
-    report: BenchReport | None  # None while calibrating
+    report: BenchReport | None  # None before calibrating
 
 
 def _batches(names: list[str], size: int | None) -> list[list[str]]:
@@ -215,8 +215,10 @@ def bench_workload(pool: WorkerPool, workload: Workload, shapes: Sequence[Shape]
         raise ValueError(f"batch must be >= 1, got {batch}")
     small = list(workload.check_shapes(world) if check_shapes is None else check_shapes)
     baselines = [b for b in workload.baselines if b in programs]
-    groups = _batches([n for n in programs if n not in baselines], batch) or [[]]
-    total = 1 + bool(small) + len(shapes) * (check_each_shape + len(groups))
+    others = [n for n in programs if n not in baselines]
+    # the jobs per shape shrink as programs fail their checks; `total` assumes none fails until then
+    jobs_per_shape = len(_batches(others, batch)) or 1
+    total = (rates is None) + bool(small) + len(shapes) * (check_each_shape + jobs_per_shape)
     done = 0
 
     def step(description: str, report: BenchReport | None) -> None:
@@ -225,8 +227,9 @@ def bench_workload(pool: WorkerPool, workload: Workload, shapes: Sequence[Shape]
             progress(BenchStep(description, done, total, report))
         done += 1
 
-    step("calibrating matmul, link and HBM rates", None)
-    rates = rates or calibrate(pool, timeout_s=job_timeout_s)
+    if rates is None:
+        step("calibrating matmul, link and HBM rates", None)
+        rates = calibrate(pool, timeout_s=job_timeout_s)
     evaluator = Evaluator(pool, workload, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
                           job_timeout_s=job_timeout_s)
     report = BenchReport(workload.name, world, list(programs), baselines,
@@ -244,10 +247,13 @@ def bench_workload(pool: WorkerPool, workload: Workload, shapes: Sequence[Shape]
             step(f"{shape}: correctness", report)
             checks |= {n: evaluator.check(programs[n], [shape]) for n in alive}
             alive = [n for n in alive if checks[n].ok]
-        for group in groups:
-            members = [n for n in programs if n in baselines or n in group]
+        groups = _batches([n for n in others if n in alive], batch) or [[]]
+        total -= jobs_per_shape - len(groups)
+        cost = workload.cost(shape, world)
+        for index, group in enumerate(groups):
+            # the failed programs go with the shape's first job, so every program has a verdict in a row
+            members = [n for n in programs if n in baselines or n in group or (index == 0 and n not in alive)]
             names = [n for n in members if n in alive]
-            cost = workload.cost(shape, world)
             row = ShapeBench(shape.label, cost.comm_bytes, floor_s(cost, rates) * 1e6, members, baselines,
                              list(yardsticks), {n: checks[n] for n in members if n in checks})
             step(f"{shape}: timing {len(names)} programs" + (f" and {len(yardsticks)} yardsticks" if yardsticks else ""),
