@@ -179,5 +179,9 @@ def test_bench_command_prints_and_writes_the_report(tmp_path, monkeypatch):
     assert f"{ours['timing']['median_us']:,.1f}" in said and f"{host['timing']['median_us']:,.1f}" in said
     assert f"{ours['speedup']['host']:.2f}x" in said and f"results: {path}" in said
     assert f"{row['yardsticks']['gather_alone']['GBps']:,.0f} GB/s" in said
-    bad = CliRunner().invoke(app, ["bench", "test_bench_report:ToyWithYardsticks", "--gpus", "3", "--device", "cpu"])
-    assert bad.exit_code != 0 and "runs on 1, 2, 4 GPUs, not 3" in " ".join(bad.output.split())
+    for args, words in [(["test_bench_report:ToyWithYardsticks", "--gpus", "3", "--device", "cpu"], "runs on 1, 2, 4 GPUs, not 3"),
+                        (["gemm-allgather", "--candidate", str(tmp_path / "none.py")], "none.py: no such file"),
+                        (["gemm-allgather", "--gpus", "4"], "needs 4 CUDA GPUs; this machine has 0"),
+                        (["gemm-allgather", "--shapes", "big"], "'big'")]:
+        bad = CliRunner().invoke(app, ["bench", *args])
+        assert bad.exit_code != 0 and words in " ".join(bad.output.split()), bad.output
