@@ -18,7 +18,7 @@ from commweave.contracts.program import load_program
 from commweave.ops import EXPORT_PREFIX, export_info
 from commweave.runtime import WorkerPool
 from commweave.search import Budget, ProgramDB, SearchConfig
-from commweave.search.driver import evolve, run_meta, template_for
+from commweave.search.driver import evolve, plan_run, run_meta, template_for
 from commweave.search.simulate import SimulatedEvaluator
 from commweave.space import DirectiveSet, Space, Template, directives_of
 from commweave.workloads import get_workload
@@ -58,6 +58,26 @@ def test_evolve_resume_checks_the_run(sim_run, tmp_path):
     assert wrong.exit_code != 0 and "is a run of 'gemm-allgather', not 'other-workload'" in said(wrong)
     missing = runner.invoke(app, ["evolve", "gemm-allgather", "--resume", str(tmp_path / "none.sqlite")])
     assert missing.exit_code != 0 and "no run database" in said(missing)
+
+
+def test_a_resumed_run_keeps_its_own_settings(sim_run, tmp_path):
+    path = sim_run[0]
+    plan = plan_run("gemm-allgather", gpus=2, budget="5", islands=7, seed=3, shape="4096x4096x4096", resume=path)
+    template = get_workload("gemm-allgather").template()
+    assert plan.resumed and plan.path == path and plan.gpus == 4 and plan.shape == template.default_shape(4)
+    assert plan.budget == Budget(evaluations=12) and plan.config.islands == 2 and plan.config.seed == 0
+    assert plan.models == () and plan.config.llm_islands == 0
+    fresh = plan_run("gemm-allgather", gpus=2, budget="20m", islands=3, seed=5, runs_dir=tmp_path, stop_after="90s")
+    assert not fresh.resumed and fresh.path.parent == tmp_path and fresh.path.name.startswith("evolve-gemm-allgather-2gpu-")
+    assert (fresh.gpus, fresh.budget, fresh.config.islands, fresh.config.seed, fresh.stop_after_s) == \
+        (2, Budget(seconds=1200.0), 3, 5, 90.0)
+    for kwargs, words in [({"stop_after": "5"}, "must be a time"), ({"llm_budget": 1.0}, "need --llm MODEL"),
+                          ({"gpus": 3}, "not 3")]:
+        with pytest.raises(ValueError, match=words):
+            plan_run("gemm-allgather", **kwargs)
+    # the CLI asks for the resumed run's GPUs, not --gpus
+    result = runner.invoke(app, ["evolve", "gemm-allgather", "--gpus", "2", "--resume", str(path)])
+    assert result.exit_code != 0 and "evolve gemm-allgather --gpus 4 needs 4 CUDA GPUs" in said(result)
 
 
 def test_driver_progress_shows_best_speedup(sim_run):
