@@ -127,12 +127,11 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
 
 import threading  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from typing import Any, Callable, Hashable  # noqa: E402
 
 from commweave.taco.cuda import FusedBarrier  # noqa: E402
-from commweave.taco.device import DeviceCollectives, ReferenceCodec  # noqa: E402
-from commweave.taco.quant import Compressed  # noqa: E402
+from commweave.taco.device import DeviceCollectives  # noqa: E402
+from commweave.taco.quant import Compressed, ReferenceCodec  # noqa: E402
 
 #: a case: (op, QuantConfig kwargs, shape, dtype name, seed); op in all_gather, reduce_scatter,
 #: one_shot, two_shot. Plain tuples so they travel to the workers.
@@ -178,9 +177,8 @@ def reference_results(ctx, cases: list[Case]) -> list[torch.Tensor]:
 
 class FakeNode:
     """W ranks in one process (one thread each): every rank's buffers in one dict, a threading
-    barrier, per-piece flags (pipelined calls), and a log of who wrote / read whose buffer in which
-    barrier epoch and call, from which `hazards()` finds missing barriers or flag waits whatever
-    the threads' timing. On a CUDA `device` the buffers are that GPU's memory and a barrier first
+    barrier, and a log of who wrote / read whose buffer in which barrier epoch and call, from which
+    `hazards()` finds missing barriers whatever the threads' timing. On a CUDA `device` the buffers are that GPU's memory and a barrier first
     waits for the GPU (every rank's queued writes done before any rank queues a read)."""
 
     def __init__(self, world: int, device: str | torch.device = "cpu"):
@@ -188,13 +186,10 @@ class FakeNode:
         self.device = torch.device(device)
         self._barrier = threading.Barrier(world)
         self._lock = threading.Lock()
-        self._flags_changed = threading.Condition(self._lock)
-        self.flags: dict[tuple[int, int, int], int] = defaultdict(int)  # (reader, writer, slot) -> epoch
         self.buffers: dict[tuple[int, Hashable], torch.Tensor] = {}
         self.allocations: dict[int, list[tuple[Hashable, int]]] = defaultdict(list)
-        # (kind, actor, owner, key, barrier epoch, call: the actor's use count of key, the actor waited
-        # on a flag of the owner since its last barrier)
-        self.events: list[tuple[str, int, int, Hashable, int, int, bool]] = []
+        # (kind, actor, owner, key, barrier epoch, call: the actor's use count of key)
+        self.events: list[tuple[str, int, int, Hashable, int, int]] = []
 
     def owner_of(self, t: torch.Tensor) -> tuple[int, Hashable]:
         ptr = t.data_ptr()
@@ -207,26 +202,23 @@ class FakeNode:
     def log(self, kind: str, transport: FakeTransport, t: torch.Tensor) -> None:
         owner, key = self.owner_of(t)
         with self._lock:
-            self.events.append((kind, transport.rank, owner, key, transport.epoch, transport.uses[key],
-                                owner in transport.synced))
+            self.events.append((kind, transport.rank, owner, key, transport.epoch, transport.uses[key]))
 
     def hazards(self) -> list[str]:
-        """A peer reading a buffer in the barrier epoch its owner writes it for another call (a
-        rewrite race), or for the same call without having waited on the owner's flag since the last
-        barrier (no barrier and no flag between write and read), or reading before any write."""
+        """A peer reading a buffer in the barrier epoch its owner writes it (for another call: a
+        rewrite race; for the same call: no barrier between write and read), or before any write."""
         writes: dict[tuple[int, Hashable], set[tuple[int, int]]] = defaultdict(set)
-        for kind, _, owner, key, epoch, call, _ in self.events:
+        for kind, _, owner, key, epoch, call in self.events:
             if kind == "write":
                 writes[(owner, key)].add((epoch, call))
         found = []
-        for kind, actor, owner, key, epoch, call, synced in self.events:
+        for kind, actor, owner, key, epoch, call in self.events:
             if kind == "read" and actor != owner:
                 for w_epoch, w_call in writes[(owner, key)]:
-                    if w_epoch == epoch and (w_call != call or not synced):
+                    if w_epoch == epoch:
                         found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch} (call {call}), when it "
-                                     f"is written for call {w_call}{'' if synced else ' with no flag waited on'}")
-                if not any(w_epoch < epoch or (w_epoch == epoch and w_call == call and synced)
-                           for w_epoch, w_call in writes[(owner, key)]):
+                                     f"is written for call {w_call}{' with no barrier between' if w_call == call else ''}")
+                if not any(w_epoch < epoch for w_epoch, _ in writes[(owner, key)]):
                     found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch}, before any write")
         return sorted(set(found))
 
@@ -239,7 +231,6 @@ class FakeTransport:
         self.captured = False  # set by a test: this rank's calls count as captured into a CUDA graph
         self.epoch = 0
         self.uses: dict[Hashable, int] = defaultdict(int)  # calls that took each buffer so far
-        self.synced: set[int] = set()  # ranks whose flags this rank waited on since its last barrier
         self._keys: dict[int, Hashable] = {}
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
@@ -262,7 +253,6 @@ class FakeTransport:
 
     def barrier(self) -> None:
         self.epoch += 1
-        self.synced.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.node._barrier.wait(timeout=60)
@@ -273,29 +263,6 @@ class FakeTransport:
     def fused_barrier(self, epoch: int) -> FusedBarrier:
         """A token: the TracingCodec that receives it runs `barrier()` right before its reads."""
         return FusedBarrier(signal=(), wait=(), epoch=epoch)
-
-    @contextmanager
-    def side(self):  # one thread per rank: the side stream's work runs in place, in order
-        yield
-
-    def join(self) -> None:
-        pass
-
-    def publish(self, slot: int, epoch: int, ranks) -> None:
-        node = self.node
-        with node._flags_changed:
-            for d in ranks:
-                assert node.flags[(d, self.rank, slot)] < epoch, "an epoch is published twice"
-                node.flags[(d, self.rank, slot)] = epoch
-            node._flags_changed.notify_all()
-
-    def wait(self, slot: int, epoch: int, ranks) -> None:
-        node = self.node
-        with node._flags_changed:
-            if not node._flags_changed.wait_for(lambda: all(node.flags[(self.rank, s, slot)] >= epoch for s in ranks),
-                                                timeout=60):
-                raise TimeoutError(f"rank {self.rank} waited 60 s for slot {slot} of epoch {epoch} from {list(ranks)}")
-        self.synced.update(ranks)
 
 
 class TracingCodec:
@@ -339,7 +306,7 @@ class TracingCodec:
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
-             codec: Any = None, pieces: int = 1, fuse_barriers: bool = False, device: str | torch.device = "cpu",
+             codec: Any = None, fuse_barriers: bool = False, device: str | torch.device = "cpu",
              trace: bool = True) -> tuple[list[Any], FakeNode]:
     """Run body(collectives, rank) for W simulated ranks in threads; their results and the node
     (`fuse_barriers`: the read barriers handed to the codec, see TracingCodec; `trace=False`: the
@@ -353,7 +320,7 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
         t = FakeTransport(node, rank)
         try:
             used = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers) if trace else codec
-            results[rank] = body(DeviceCollectives(t, used, double_buffer, pieces), rank)
+            results[rank] = body(DeviceCollectives(t, used, double_buffer), rank)
         except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append(e)
             node._barrier.abort()
@@ -375,13 +342,13 @@ def simulated_ranks_on_one_gpu(cases: list[Case], world: int, double_buffer: boo
     the real kernels and the replayed launches at W > 1 without W GPUs. Each rank runs the cases
     `passes` times (later passes replay what the first recorded). Returns, per rank, each pass's
     results (on CPU) and how many layouts were replayable."""
-    from commweave.taco.device import CudaCodec
+    from commweave.taco.codec import CudaCodec
 
     gpu = torch.device("cuda", torch.cuda.current_device())  # with its index, as tensors have
 
     def body(coll: DeviceCollectives, rank: int) -> dict:
         runs = [[run_case(device_call(coll), c, world, rank, gpu).cpu() for c in cases] for _ in range(passes)]
-        return {"passes": runs, "replayable": sum(v is not None for v in coll._replays.values())}
+        return {"passes": runs, "replayable": coll.replays.replayable()}
 
     results, _ = simulate(world, body, double_buffer, CudaCodec(), device=gpu, trace=False)
     return results
@@ -427,19 +394,15 @@ def edge_inputs() -> torch.Tensor:
                       near_max, mixed])
 
 
-def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False, pieces: int = 1,
-                            min_piece: int | None = None, fuse_barriers: bool = False) -> dict:
-    """On CUDA: the device backend (pipelined with `pieces` > 1, pieces of at least `min_piece`
-    elements; read barriers performed by the reading kernels with `fuse_barriers`) against the reference backend over NCCL (bit for bit), against the CPU simulation with
-    the reference codec (bit for bit), and, where every rank gets the whole result (all-gather,
-    all-reduce), identical across ranks. Returns the pipelined calls made (`epochs`) too."""
-    from commweave.taco import device
+def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False, fuse_barriers: bool = False) -> dict:
+    """On CUDA: the device backend (read barriers performed by the reading kernels with
+    `fuse_barriers`) against the reference backend over NCCL (bit for bit), against the CPU
+    simulation with the reference codec (bit for bit), and, where every rank gets the whole result
+    (all-gather, all-reduce), identical across ranks."""
     from commweave.taco.device import DeviceBackend
 
-    if min_piece is not None:
-        device.MIN_PIECE = min_piece
     world, rank = ctx.world_size, ctx.rank
-    backend = DeviceBackend(ctx, double_buffer=double_buffer, pieces=pieces, fuse_barriers=fuse_barriers)
+    backend = DeviceBackend(ctx, double_buffer=double_buffer, fuse_barriers=fuse_barriers)
     sim, _ = simulate(world, lambda coll, r: [run_case(device_call(coll), c, world, r) for c in cases])
     out: dict[str, Any] = {"mismatches": [], "cases": len(cases)}
     for i, case in enumerate(cases):
@@ -455,7 +418,6 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False,
             if not ok:
                 diff = float((dev.float() - other.float()).abs().max()) if dev.shape == other.shape else float("nan")
                 out["mismatches"].append(f"case {i} {case}: differs from {what} (max |diff| {diff:.3g})")
-    out["epochs"] = backend.collectives(torch.empty(1, device=ctx.device)).epoch
     backend.close()
     ctx.end_candidate()
     return out
@@ -592,7 +554,7 @@ class SerializedCodec:
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:
     """In a process whose Triton interprets (TRITON_INTERPRET=1): the algorithms with the Triton
     kernels (TritonCodec, interpreted) against the same with the reference codec; mismatches."""
-    from commweave.taco.device import TritonCodec
+    from commweave.taco.codec import TritonCodec
 
     def body(coll, r):
         return [run_case(device_call(coll), c, world, r) for c in cases]
