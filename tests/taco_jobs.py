@@ -5,10 +5,13 @@ the uncompressed torch collective and against a single-process reference."""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Hashable
+
 import torch
 import torch.distributed as dist
 
 from commweave.taco import collectives as cc
+from commweave.taco.backend import resolve_group
 from commweave.taco.quant import QuantConfig
 
 
@@ -78,13 +81,31 @@ def compressed_all_reduce_auto(ctx, one_shot_max_bytes: int) -> list[float]:
     return cc.compressed_all_reduce(x, cfg, one_shot_max_bytes=one_shot_max_bytes).flatten()[:3].tolist()
 
 
+def tp_pairs() -> tuple[dist.ProcessGroup, Any]:
+    """On 4 ranks, two TP pairs {0, 1} and {2, 3}: this rank's pair as a ProcessGroup, and the
+    (dp, tp) DeviceMesh whose "tp" dimension is the same pairs (collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != 4:
+        raise ValueError(f"two TP pairs need 4 ranks, got {dist.get_world_size()}")
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return pairs[dist.get_rank() // 2], init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
 def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int = 2, hidden: int = 64,
-                        ffn: int = 128, seed: int = 0, grad_compression: str | None = "same") -> dict:
+                        ffn: int = 128, seed: int = 0, grad_compression: str | None = "same",
+                        pairs: bool = False) -> dict:
     """A column -> GELU -> row MLP with sequence parallelism against the same MLP on one process:
-    output and every gradient (input, weights, biases)."""
+    output and every gradient (input, weights, biases). `pairs`: TP over two pairs of 4 ranks (the
+    mesh's "tp" dimension), each pair with its own data."""
     from commweave.taco.tp import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads
 
-    world, rank = ctx.world_size, ctx.rank
+    group: Any = None
+    if pairs:
+        _, mesh = tp_pairs()
+        group, seed = (mesh, "tp"), seed + 10 * (ctx.rank // 2)
+    tp_group = resolve_group(group)
+    world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     cfg = None if compression is None else QuantConfig(64, compression)
     grad_cfg = cfg if grad_compression == "same" else (None if grad_compression is None else QuantConfig(64, grad_compression))
     gen = torch.Generator().manual_seed(seed)
@@ -101,15 +122,15 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
     yr = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xr, w1r, b1r)), w2r, b2r)
     (yr * probe).sum().backward()
 
-    col = ColumnParallelLinear(hidden, ffn, bias=True, compression=cfg, grad_compression=grad_cfg)
-    row = RowParallelLinear(ffn, hidden, bias=True, compression=cfg, grad_compression=grad_cfg)
+    col = ColumnParallelLinear(hidden, ffn, bias=True, compression=cfg, grad_compression=grad_cfg, group=group)
+    row = RowParallelLinear(ffn, hidden, bias=True, compression=cfg, grad_compression=grad_cfg, group=group)
     col.load_full_weight(w1, b1)
     row.load_full_weight(w2, b2)
     s = seq // world
     x = x_full[rank * s:(rank + 1) * s].clone().requires_grad_()
     y = row(torch.nn.functional.gelu(col(x)))
     (y * probe[rank * s:(rank + 1) * s]).sum().backward()
-    allreduce_sequence_parallel_grads([col, row])
+    allreduce_sequence_parallel_grads([col, row], group)
 
     f = ffn // world
     return {
@@ -127,7 +148,6 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
 
 import threading  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from typing import Any, Callable, Hashable  # noqa: E402
 
 from commweave.taco.cuda import FusedBarrier  # noqa: E402
 from commweave.taco.device import DeviceCollectives  # noqa: E402
@@ -155,11 +175,11 @@ def run_case(call: Callable[[str, torch.Tensor, QuantConfig], torch.Tensor], cas
     return call(case[0], case_input(case, world, rank, device), QuantConfig(**case[1]))
 
 
-def reference_call(op: str, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
-    """The reference backend over the default process group (gloo on CPU, NCCL on CUDA)."""
+def reference_call(op: str, x: torch.Tensor, cfg: QuantConfig | None, group: Any = None) -> torch.Tensor:
+    """The reference backend over `group` (default: the default process group; gloo on CPU, NCCL on CUDA)."""
     if op in ("one_shot", "two_shot"):
-        return cc.all_reduce(x, cfg, op, backend="reference")
-    return getattr(cc, op)(x, cfg, backend="reference")
+        return cc.all_reduce(x, cfg, op, group=group, backend="reference")
+    return getattr(cc, op)(x, cfg, group=group, backend="reference")
 
 
 def device_call(coll: Any) -> Callable[[str, torch.Tensor, QuantConfig], torch.Tensor]:
@@ -593,3 +613,28 @@ def selecting_backend_vs_direct(ctx) -> dict:
                                      cc.all_reduce(x, cfg, "two_shot", backend="reference"))
     out["ar_small_plain"] = torch.equal(cc.all_reduce(small, cfg, backend="auto"), cc.all_reduce(small))
     return out
+
+
+def subgroups_vs_pair_simulation(ctx, cases: list[Case]) -> list[str]:
+    """On 4 ranks, each case over this rank's TP pair, named as a ProcessGroup, as (mesh, "tp") and
+    as the mesh's one-dimensional "tp" submesh: bit for bit what 2 simulated ranks compute for the
+    pair's inputs (the device algorithms with the reference codec, which equal the reference backend
+    on 2 ranks); the plain collectives over the pair alike. Each pair has its own inputs. Mismatches."""
+    import functools
+
+    pair_group, mesh = tp_pairs()
+    pair, r = ctx.rank // 2, ctx.rank % 2
+    mine = [(op, kw, shape, dtype, seed + 100 * pair) for op, kw, shape, dtype, seed in cases]
+    sim, _ = simulate(2, lambda coll, rr: [run_case(device_call(coll), c, 2, rr) for c in mine])
+    found = []
+    for name, group in (("ProcessGroup", pair_group), ("(mesh, 'tp')", (mesh, "tp")), ("mesh['tp']", mesh["tp"])):
+        call = functools.partial(reference_call, group=group)
+        for i, c in enumerate(mine):
+            if not same_bits(run_case(call, c, 2, r), sim[r][i]):
+                found.append(f"{name}: case {i} {c}")
+        xs = [case_input(mine[0], 2, p) for p in range(2)]
+        if not torch.equal(cc.all_gather(xs[r], None, group), torch.cat(xs)):
+            found.append(f"{name}: plain all_gather")
+        if not torch.equal(cc.all_reduce(xs[r], None, group=group), xs[0] + xs[1]):
+            found.append(f"{name}: plain all_reduce")
+    return found
