@@ -24,8 +24,7 @@ class Buffers:
         self.t = transport
         self.double = double
         self._calls: dict[Hashable, int] = defaultdict(int)
-        # every rank's packed views of a buffer's bytes: the buffers live until clear(), and making
-        # W views per call was a third of a call's host time
+        # every rank's packed views of a buffer's bytes, made once (W views a call cost host time)
         self._views: dict[tuple, list[Compressed]] = {}
 
     def parity(self, base: tuple) -> int:

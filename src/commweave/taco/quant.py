@@ -14,26 +14,7 @@ group, none per element: the fused kernels' compress is bound by arithmetic, and
 IEEE division costs several instructions; the quotient differs by at most an ulp before the FP8
 rounding). Scales are floored at FP32's smallest normal, so every reciprocal is finite.
 
-Options, each switchable so its value can be measured (bench/taco_error_table.py):
-  hadamard=False     no transform (y = x / s1)
-  hadamard="adaptive"  per group, whichever of transform / no transform quantizes it with the lower
-                     L2 error (both are tried); the choice travels in the sign of the post-scale
-                     (negative: transformed), so it costs no extra bytes. This is our option, not
-                     the paper's: the error table shows that with FP8 *floating-point* payloads the
-                     transform hurts groups that hold outliers (it spreads the outlier's rounding
-                     error over the small values, which per-group scaling alone would keep exact to
-                     FP8's relative precision) and helps little elsewhere. The L2 criterion is
-                     dominated by a group's largest values, so it does not by itself protect the
-                     small ones.
-  dual_scale=False   one absmax scale per group after the transform (s1 = 1, not stored)
-  fmt                'e4m3' (max 448, 3 mantissa bits) or 'e5m2' (max 57344, 2 mantissa bits)
-  transform_input_dtype  the dtype the transform's input is rounded to. FP32 by default; fast
-                     Hadamard kernels run the transform as a 16-bit tensor-core matmul (FP32
-                     accumulation), which this option emulates with a saturating cast. In exact
-                     FP32 arithmetic the two scales multiply to the single scale, so the dual
-                     scale only shows its value where the transform's input is 16-bit: the
-                     pre-scale keeps near-zero groups out of FP16's subnormals and huge ones out of
-                     its overflow.
+Options: `wire.QuantConfig` (each switchable, so its value can be measured: bench/taco_error_table.py).
 
 Sizes that are not a multiple of G: with pad=True (default) the flattened tensor is padded with
 zeros to the next multiple of G (the padding is part of the payload and dropped on decompress);

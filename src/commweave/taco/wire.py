@@ -22,7 +22,20 @@ TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How a tensor is compressed; every switch is independent."""
+    """How a tensor is compressed (quant.py's scheme); every switch is independent.
+
+    group_size   G, a power of two in 32..512
+    fmt          'e4m3' (max 448, 3 mantissa bits) or 'e5m2' (max 57344, 2 mantissa bits)
+    hadamard     True, False (no transform), or "adaptive": per group, whichever of transform / none
+                 quantizes it with the lower L2 error, the choice in the post-scale's sign (negative:
+                 transformed; no extra bytes). Ours, not the paper's: with FP8 floating-point
+                 payloads the transform hurts groups that hold outliers (NOTES.md, error table).
+    dual_scale   False: one absmax scale per group after the transform (no RMS pre-scale stored)
+    pad          True: sizes that are not a multiple of G are zero-padded; False: refused
+    transform_input_dtype  the dtype the transform's input is rounded to (saturating): 16-bit
+                 emulates a tensor-core Hadamard, where the pre-scale keeps groups out of FP16's
+                 subnormals and overflow (in exact FP32 the two scales multiply to the single one)
+    """
 
     group_size: int = 128
     fmt: str = "e4m3"
