@@ -52,18 +52,12 @@ def test_bandwidth_variants():
     from commweave.taco.bandwidth import variant
     from commweave.taco.device import DeviceBackend
 
-    assert variant("cuda") == {"codec": "cuda", "pieces": 1, "compress_blocks": None, "fuse_barriers": False}
-    assert variant("triton-p2") == {"codec": "triton", "pieces": 2, "compress_blocks": None, "fuse_barriers": False}
-    assert variant("cuda-p4-b132") == {"codec": "cuda", "pieces": 4, "compress_blocks": 132, "fuse_barriers": False}
-    assert variant("cuda-fused") == {"codec": "cuda", "pieces": 1, "compress_blocks": None, "fuse_barriers": True}
-    for bad in ("nccl", "cuda-px", "triton-p4-b8", "cuda-p4-b", "triton-fused", "cuda-fused-p4"):
+    assert variant("cuda") == {"codec": "cuda", "fuse_barriers": False}
+    assert variant("triton") == {"codec": "triton", "fuse_barriers": False}
+    assert variant("cuda-fused") == {"codec": "cuda", "fuse_barriers": True}
+    for bad in ("nccl", "cuda-p4", "cuda-p4-b132", "triton-fused", "cuda-fused-p4"):
         with pytest.raises(ValueError, match="a variant is cuda, triton"):
             variant(bad)
-    assert DeviceBackend(**variant("cuda-p4-b132")).compress_blocks == 132
     assert DeviceBackend(**variant("cuda-fused")).fuse_barriers and not DeviceBackend(**variant("cuda")).fuse_barriers
     with pytest.raises(ValueError, match="only the CUDA codec's kernels perform barriers"):
         DeviceBackend(codec="triton", fuse_barriers=True)
-    with pytest.raises(ValueError, match="compress_blocks caps the CUDA codec"):
-        DeviceBackend(codec="triton", compress_blocks=8)
-    with pytest.raises(ValueError, match="compress_blocks caps the CUDA codec"):
-        DeviceBackend(compress_blocks=0)
