@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,10 @@ def evolve(
     gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
     budget: str = typer.Option("200", "--budget", help="evaluations (200) or wall time (20m, 90s, 1h)"),
     shape: str = typer.Option(None, "--shape", help="the shape to optimise (default: the template's, 8192^3 for gemm-allgather)"),
+    pool_gpus: int = typer.Option(None, "--pool-gpus", min=1, help="split this node's GPUs into pools of this many "
+                                  "(the world size; replaces --gpus), one candidate in flight per pool"),
+    cluster: str = typer.Option(None, "--cluster", help="evaluate on a Ray cluster: 'auto' or its address; one pool "
+                                "(a Ray actor) per --gpus GPUs of the cluster (needs commweave\\[cluster])"),
     islands: int = typer.Option(4, "--islands", min=1),
     seed: int = typer.Option(0, "--seed", help="random seed of the search"),
     resume: Path = typer.Option(None, "--resume", help="a run database to continue (its workload, shape, GPUs and budget)"),
@@ -184,26 +189,51 @@ def evolve(
 
     from commweave.contracts.verdict import EvaluationError
     from commweave.runtime import PoolStartError, WorkerPool
-    from commweave.search.driver import plan_run, run_meta, run_on_pool
+    from commweave.runtime.capabilities import cuda_device_count
+    from commweave.search.driver import plan_run, run_meta, run_on_cluster, run_on_pools
+    from commweave.search.pools import split_gpus
 
+    if pool_gpus is not None and cluster is not None:
+        _fail("--pool-gpus splits this node's GPUs and --cluster uses a Ray cluster's: give one of them")
+    if cluster is not None:
+        try:
+            from commweave.search.ray_pools import import_ray
+
+            import_ray()
+        except ImportError as exc:
+            _fail(str(exc))
     try:
-        plan = plan_run(workload, gpus=gpus, budget=budget, shape=shape, islands=islands, seed=seed, resume=resume,
+        plan = plan_run(workload, gpus=pool_gpus or gpus, budget=budget, shape=shape, islands=islands, seed=seed, resume=resume,
                         runs_dir=runs_dir, compile_workers=compile_workers, llm=llm or (), llm_config=llm_config,
                         llm_budget=llm_budget, llm_islands=llm_islands, stop_after=stop_after)
     except (KeyError, ValueError, LookupError, FileNotFoundError, ImportError) as exc:
         _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
-    _require_gpus(plan.gpus, f"evolve {workload} --gpus {plan.gpus}")
+    devices = [list(range(plan.gpus))]
+    if cluster is None:
+        _require_gpus(plan.gpus, f"evolve {workload} --gpus {plan.gpus}")
+        if pool_gpus is not None:
+            devices = split_gpus(cuda_device_count(), plan.gpus)
     path, models = plan.path, plan.models
     console.print(f"run: {path} ({plan.shape}, {plan.gpus} GPUs, budget {plan.budget.to_dict()})", highlight=False)
     if models:
         cap = f"${plan.llm_budget_usd:g}" if plan.llm_budget_usd is not None else "the run's" if plan.resumed else "no cap"
         console.print(f"LLM islands: {plan.config.llm_islands} of {plan.config.islands} "
                       f"({', '.join(m.name for m in models)}; budget {cap})", highlight=False)
+    evaluation = dict(iters=iters, warmup=warmup, seeds=seeds, job_timeout_s=job_timeout)
     try:
-        with WorkerPool(plan.gpus, job_timeout_s=job_timeout) as pool, \
-                Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as progress:
-            best, count, paused = run_on_pool(plan, pool, iters=iters, warmup=warmup, seeds=seeds,
-                                              job_timeout_s=job_timeout, progress=progress)
+        with ExitStack() as stack:
+            progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                                                    console=console))
+            if cluster is not None:
+                best, count, paused = run_on_cluster(plan, cluster, progress=progress, **evaluation)
+            else:
+                pools = [stack.enter_context(WorkerPool(plan.gpus, job_timeout_s=job_timeout,
+                                                        env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, group))}))
+                         for group in devices]
+                labels = [f"GPUs {','.join(map(str, group))}" for group in devices]
+                best, count, paused = run_on_pools(plan, pools, progress=progress, labels=labels, **evaluation)
+    except ValueError as exc:
+        _fail(f"{exc} (every evaluated program is in {path}; continue with --resume {path})")
     except (PoolStartError, EvaluationError) as exc:
         _fail(f"{exc} (every evaluated program is in {path}; continue with --resume {path})")
     except KeyboardInterrupt:

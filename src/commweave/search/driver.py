@@ -2,13 +2,14 @@
 database, reconciled here and nowhere else before the search starts), the run's database file, the
 machine's facts and a progress bar.
 
-`commweave evolve` is `plan_run`, a pool, then `run_on_pool`; anything with `evaluate(text, shape)`
+`commweave evolve` is `plan_run`, then `run_on_pools` (worker pools of this node) or `run_on_cluster` (Ray); anything with `evaluate(text, shape)`
 can drive `evolve` (the tests use the simulated evaluator on a CPU).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -17,6 +18,7 @@ from commweave.contracts.workload import Shape
 from commweave.llm import ModelConfig, client_for, load_models, resolve_model
 from commweave.search.db import ProgramDB
 from commweave.search.evolve import Budget, Evolution, SearchConfig
+from commweave.search.pools import LocalPools, Placement, Pools
 from commweave.space import Template
 
 RUNS_DIR = Path("runs")
@@ -46,10 +48,11 @@ def run_meta(path: Path) -> dict[str, Any]:
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
            config: SearchConfig, *, rates: Any = None, capabilities: Any = None,
            progress: Any = None, stop_after_s: float | None = None, llm_models: Sequence[Any] = (),
-           llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None):
+           llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None, pools: Pools | None = None):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
     speedup so far (and the LLM dollars spent). `llm_models` (ModelConfigs) propose on the last
-    `config.llm_islands` islands. Returns (best record or None, evaluations in the database,
+    `config.llm_islands` islands; `pools` evaluates several candidates at once (default: `evaluator`
+    alone). Returns (best record or None, evaluations in the database,
     whether it stopped at `stop_after_s` with budget left)."""
     with ProgramDB(db_path) as db:
         task = None
@@ -65,7 +68,7 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
 
         search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates,
                            capabilities=capabilities, on_result=on_result, llm_models=llm_models,
-                           llm_budget_usd=llm_budget_usd, hardware=hardware)
+                           llm_budget_usd=llm_budget_usd, hardware=hardware, pools=pools)
         if progress is not None:
             task = progress.add_task("starting", total=1000)
         best = search.run(stop_after_s)
@@ -138,24 +141,72 @@ def plan_run(workload: str, *, gpus: int = 4, budget: str = "200", shape: str | 
                    resume is not None)
 
 
-def run_on_pool(plan: RunPlan, pool: Any, *, iters: int = 20, warmup: int = 5, seeds: int = 2,
-                job_timeout_s: float | None = None, progress: Any = None):
-    """Measure the pool's machine (rates for the floor, capabilities and facts for the proposers),
-    then `evolve` the plan with the real Evaluator on it. Returns what `evolve` returns."""
+def run_on_pools(plan: RunPlan, pools: Sequence[Any], *, iters: int = 20, warmup: int = 5, seeds: int = 2,
+                 job_timeout_s: float | None = None, progress: Any = None, labels: Sequence[str] = ()):
+    """Measure the first pool's machine (rates for the floor, capabilities and facts for the
+    proposers), then `evolve` the plan with one real Evaluator per worker pool, a candidate in
+    flight on each (`labels` name the pools, e.g. their GPUs). Returns what `evolve` returns."""
     from commweave.evaluate.evaluator import Evaluator
     from commweave.evaluate.floor import calibrate
+    from commweave.runtime.pool import PoolStartError
     from commweave.space import Capabilities
 
-    rates = calibrate(pool)
-    probe = pool.run("commweave.runtime.selftest:probe")
+    first = pools[0]
+    rates = calibrate(first)
+    probe = first.run("commweave.runtime.selftest:probe")
     capabilities = Capabilities.from_probe(probe.values[0]) if probe.ok else \
         Capabilities(False, f"probe failed: {probe.first_failure()}")
     info = probe.values[0] if probe.ok else {}
     hardware = {"GPUs": plan.gpus, **{label: info[key] for key, label in (("gpu", "GPU"), ("nccl_loaded", "NCCL"),
                                                                          ("lsa_size", "LSA (NVLink) team size"))
                                       if key in info}}
-    evaluator = Evaluator(pool, plan.template.workload, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
-                          job_timeout_s=job_timeout_s)
-    return evolve(plan.path, plan.template, evaluator, plan.shape, plan.gpus, plan.budget, plan.config, rates=rates,
-                  capabilities=capabilities, progress=progress, stop_after_s=plan.stop_after_s,
-                  llm_models=plan.models, llm_budget_usd=plan.llm_budget_usd, hardware=hardware)
+    evaluators = [Evaluator(pool, plan.template.workload, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
+                            job_timeout_s=job_timeout_s) for pool in pools]
+    names = list(labels) or [f"pool{i}" for i in range(len(pools))]
+    local = LocalPools([(ev, Placement(name, socket.gethostname())) for ev, name in zip(evaluators, names)],
+                       infrastructure_errors=(PoolStartError,))
+    try:
+        return evolve(plan.path, plan.template, evaluators[0], plan.shape, plan.gpus, plan.budget, plan.config,
+                      rates=rates, capabilities=capabilities, progress=progress, stop_after_s=plan.stop_after_s,
+                      llm_models=plan.models, llm_budget_usd=plan.llm_budget_usd, hardware=hardware, pools=local)
+    finally:
+        local.close()
+
+
+def node_evaluator(workload: str, world: int, iters: int, warmup: int, seeds: int, job_timeout_s: float | None):
+    """A pool's judge on a cluster node (built inside its Ray actor, which holds `world` GPUs):
+    worker processes on those GPUs, the node's own rates for the floor, the real Evaluator."""
+    from commweave.evaluate.evaluator import Evaluator
+    from commweave.evaluate.floor import calibrate
+    from commweave.runtime.pool import WorkerPool
+    from commweave.workloads import get_workload
+
+    pool = WorkerPool(world, job_timeout_s=job_timeout_s or 120.0)
+    pool.start()
+    return Evaluator(pool, get_workload(workload), seeds=seeds, warmup=warmup, iters=iters, rates=calibrate(pool),
+                     job_timeout_s=job_timeout_s)
+
+
+def run_on_cluster(plan: RunPlan, address: str, *, iters: int = 20, warmup: int = 5, seeds: int = 2,
+                   job_timeout_s: float | None = None, progress: Any = None):
+    """`evolve` the plan on a Ray cluster (`address`: "auto" or host:port): one pool per `plan.gpus`
+    GPUs the cluster has, each a Ray actor on one node (`search.ray_pools`). The workload must be
+    installed on every node; the database stays here. Returns what `evolve` returns."""
+    from commweave.search.ray_pools import RayPools, import_ray
+
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < plan.gpus:
+        raise ValueError(f"the Ray cluster at {address} has {gpus} GPUs; a pool of this run needs {plan.gpus}")
+    kwargs = {"workload": plan.template.workload.name, "world": plan.gpus, "iters": iters, "warmup": warmup,
+              "seeds": seeds, "job_timeout_s": job_timeout_s}
+    pools = RayPools("commweave.search.driver:node_evaluator", kwargs, gpus // plan.gpus, gpus_per_pool=plan.gpus)
+    try:
+        return evolve(plan.path, plan.template, None, plan.shape, plan.gpus, plan.budget, plan.config,
+                      progress=progress, stop_after_s=plan.stop_after_s, llm_models=plan.models,
+                      llm_budget_usd=plan.llm_budget_usd, hardware={"GPUs per pool": plan.gpus, "pools": pools.slots},
+                      pools=pools)
+    finally:
+        pools.close()

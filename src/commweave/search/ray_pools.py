@@ -74,8 +74,16 @@ class RayPools:
         self._lock = threading.Condition()
         self._actors: list[Any | None] = [self._start() for _ in range(count)]  # None: a retired slot
         self._nodes = ["(not placed yet)"] * count  # each pool's node as its last result said
-        self._free = list(range(count))
         self.restarts = 0
+        # every pool built (its judge's workers started) before the search counts time
+        refs = [actor.ready.remote() for actor in self._actors]
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=placement_timeout_s)
+        if len(ready) < len(refs):
+            self.close()
+            raise RuntimeError(f"the Ray cluster placed {len(ready)} of {count} pools within {placement_timeout_s:.0f} s "
+                               f"(each needs {gpus_per_pool} GPUs and {cpus_per_pool} CPUs)")
+        self.ray.get(ready)  # a judge that failed to build raises here
+        self._free = list(range(count))
 
     def _start(self) -> Any:
         return self._actor_class.remote(self._build, self._kwargs)

@@ -1,1 +1,0 @@
-"""Attention with context parallelism: the sequence sharded over GPUs, KV exchanged between them."""

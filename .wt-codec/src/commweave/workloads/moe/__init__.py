@@ -1,1 +1,0 @@
-"""DeepSeek-V3 MoE layer (expert parallel): dispatch, SwiGLU experts, combine."""
