@@ -292,10 +292,10 @@ def _call(ctx, state, inputs, out):
         _gemms(ctx, state, inputs, signal=True)
     rows, chunks = state["rows"], state["chunks"]
     for c in range(chunks):
-        comm.wait_event(state["own"][c])
         r0, r1 = chunk_begin(rows, chunks, c), chunk_begin(rows, chunks, c + 1)
-        if r1 == r0:
+        if r1 == r0:  # an empty piece (rows < chunks): nobody multiplies or signals it
             continue
+        comm.wait_event(state["own"][c])
         if CONFIG["wait"] == "stream":
             for p in range(ctx.world_size):
                 if p != ctx.rank:
@@ -307,15 +307,16 @@ def _call(ctx, state, inputs, out):
 
 
 def _gemms(ctx, state, inputs, signal):
-    """Every (block, piece) in schedule order into `part`; with `signal`, a peer's piece is followed
-    by a write of 1 into its flag for (this rank, piece), the own piece by its event."""
+    """Every non-empty (block, piece) in schedule order into `part`; with `signal`, a peer's piece is
+    followed by a write of 1 into its flag for (this rank, piece), the own piece by its event."""
     a, b, part = inputs["a"], inputs["b"], state["part"]
     rank, rows, chunks = ctx.rank, state["rows"], state["chunks"]
     main = torch.cuda.current_stream(ctx.device)
     for block, c in schedule(rank, ctx.world_size, chunks, CONFIG["order"]):
         r0, r1 = block * rows + chunk_begin(rows, chunks, c), block * rows + chunk_begin(rows, chunks, c + 1)
-        if r1 > r0:
-            torch.matmul(a[r0:r1], b, out=part[r0:r1])
+        if r1 == r0:
+            continue
+        torch.matmul(a[r0:r1], b, out=part[r0:r1])
         if not signal:
             continue
         if block == rank:
