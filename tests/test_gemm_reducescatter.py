@@ -343,6 +343,9 @@ def test_programs_through_the_evaluator_on_cpu(world: int) -> None:
         assert async_tp.failure == FailureClass.UNAVAILABLE and "CUDA" in async_tp.message
         if world == 1:
             assert seed.ok, seed.message
+            result = evaluator.evaluate(WL.program_text("seed"), WL.make_shape(64, 48, 32, 1))
+            assert result.verdict.ok and result.fitness > 0 and result.baseline == "host", result.verdict.message
+            assert result.baselines["torch_async_tp"].verdict.failure == FailureClass.UNAVAILABLE
         else:
             assert seed.failure == FailureClass.UNAVAILABLE and "needs CUDA GPUs" in seed.message
             lazy = evaluator.check(HOST_WITHOUT_SCATTER)
@@ -391,6 +394,14 @@ def test_template_renders_the_conservative_set() -> None:
     config = load_program(TEMPLATE.render(ds, SHAPE, 4)).CONFIG
     assert (config["overlap"], config["chunks"]) == (False, 1)
     assert load_program(TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)).CONFIG["overlap"] is True
+
+
+def test_fast_path_renders_the_conservative_set_unrelaxed() -> None:
+    from commweave.agents.fast_path import renderable_conservative
+
+    ds, relaxed = renderable_conservative(TEMPLATE, 4)
+    assert relaxed == "" and (ds.placement, ds.sync) == ("deferred", "global")
+    assert load_program(TEMPLATE.render(ds, SHAPE, 4)).CONFIG["overlap"] is False
 
 
 def test_chunk_bytes_become_pieces_per_block() -> None:
