@@ -439,3 +439,174 @@ def test_seed_rejects_bad_config() -> None:
         module = load_program(with_config(WL.program_text("seed"), **knobs))
         with pytest.raises(ValueError, match=reason):
             module.setup(TwoRanks(), shape)
+
+
+# -- the seed's protocol with W ranks as threads (no GPU) -----------------------------------------
+class _Node:
+    """What W simulated ranks share: every rank's symmetric allocations (in allocation order, the
+    same on every rank) and a barrier. Addresses are the host addresses of their bytes."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.allocs: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        self.barrier = __import__("threading").Barrier(world, timeout=60)
+
+    def word(self, address: int) -> torch.Tensor:
+        """The 64-bit word at `address` in any rank's symmetric memory."""
+        for storage in (s for allocs in self.allocs for s in allocs):
+            if storage.data_ptr() <= address < storage.data_ptr() + storage.numel():
+                offset = address - storage.data_ptr()
+                return storage[offset:offset + 8].view(torch.int64)
+        raise ValueError(f"address {address:#x} is in no symmetric allocation")
+
+
+class _Window:
+    def __init__(self, index: int, offset: int):
+        self.handle, self.offset = index, offset
+
+
+class _Stream:
+    """Streams are program order here: each rank's work runs as it is issued."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+def _spin(ready, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited 60 s for {what}")
+        time.sleep(0)
+
+
+class _RankCtx:
+    """One simulated rank's ctx: symmetric memory in the node, kernels as their Python equivalents."""
+
+    is_cuda, device = True, CPU
+
+    def __init__(self, node: _Node, rank: int):
+        self.node, self.rank, self.world_size = node, rank, node.world
+
+    def symmetric(self, shape, dtype, zero=True):
+        storage = torch.zeros(max(1, int(np.prod(shape))) * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
+        self.node.allocs[self.rank].append(storage)
+        if zero:
+            self.node.barrier.wait()
+        return storage.view(dtype).view(shape)
+
+    def _find(self, t: torch.Tensor) -> tuple[int, int]:
+        for index, storage in enumerate(self.node.allocs[self.rank]):
+            if storage.data_ptr() <= t.data_ptr() < storage.data_ptr() + storage.numel():
+                return index, t.data_ptr() - storage.data_ptr()
+        raise ValueError("not a symmetric tensor")
+
+    def window(self, t):
+        return _Window(*self._find(t))
+
+    def peer_ptrs(self, t):
+        index, offset = self._find(t)
+        return [self.node.allocs[r][index].data_ptr() + offset for r in range(self.world_size)]
+
+    def dev_comm(self, lsa_barriers=1):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(lsa_size=self.world_size, lsa_rank=self.rank)
+
+    def stream(self, name, priority=0):
+        return _Stream()
+
+    def compile(self, source, label=""):
+        from types import SimpleNamespace
+
+        kernels = {"cw_rs_barrier": self._barrier, "cw_rs_reduce": self._reduce}
+        return SimpleNamespace(kernel=lambda name: SimpleNamespace(launch=kernels[name]))
+
+    def _barrier(self, grid, block, args, stream=None):
+        self.node.barrier.wait()
+
+    def _reduce(self, grid, block, args, stream=None):
+        win, offset, out, count, flags, index, stride, wait, me, world = args
+        assert me == self.rank and world == self.world_size and out.numel() == count
+        if wait:
+            for p in range(world):
+                if p != me:
+                    _spin(lambda: int(flags[index + p * stride]) != 0, f"rank {p}'s flag {index + p * stride}")
+        sources = [self.node.allocs[p][win.handle][offset:offset + 2 * count].view(torch.bfloat16) for p in range(world)]
+        total = sources[0].float()
+        for s in sources[1:]:
+            total = total + s.float()
+        out.view(-1).copy_(total.to(torch.bfloat16))
+
+
+def _simulated_seed(world: int, config: dict, shape, seeds: tuple[int, ...]) -> list[list[float]]:
+    """The seed's Python (setup, then a run per seed on one state) on W threads over a _Node: each
+    rank's relative error per call; streams, events and the carveout are no-ops, stream writes and
+    waits act on the node's memory."""
+    import threading
+    from types import SimpleNamespace
+
+    node = _Node(world)
+    fake_cuda = SimpleNamespace(Event=_Event, current_stream=lambda device=None: _Stream(),
+                                stream=lambda s: __import__("contextlib").nullcontext())
+
+    class FakeTorch:
+        cuda = fake_cuda
+        _C = SimpleNamespace(_get_sm_carveout_experimental=lambda: None, _set_sm_carveout_experimental=lambda n: None)
+        backends = SimpleNamespace(cuda=SimpleNamespace(preferred_blas_library=lambda *a: None))
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    errors: list[list[float]] = [[] for _ in range(world)]
+    failures: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            module = load_program(with_config(WL.program_text("seed"), graph=False, **config), f"seed{rank}")
+            module.torch = FakeTorch()
+            module.stream_write = lambda address, value, stream=None: node.word(address).fill_(value)
+            module.stream_wait_geq = lambda address, value, stream=None: _spin(
+                lambda: int(node.word(address)) >= value, "a stream wait")
+            ctx = _RankCtx(node, rank)
+            state = module.setup(ctx, shape)
+            for seed in seeds:
+                inputs = WL.make_inputs(shape, world, rank, seed, CPU)
+                out = torch.full((shape["M"] // world, shape["N"]), float("nan"), dtype=torch.bfloat16)
+                module.run(ctx, state, inputs, out)
+                errors[rank].append(_relative_error(out, WL.reference(shape, world, rank, seed, CPU)))
+            assert not state["flags"].any(), "flags left set after a call"
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            failures.append(exc)
+            node.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [f for f in failures if not isinstance(f, threading.BrokenBarrierError)]
+    if failures:
+        raise (real or failures)[0]
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("config", [{}, dict(chunks=1), dict(chunks=100, order="aligned", wait="stream"),
+                                    dict(overlap=False)], ids=["seed", "peer", "empty-pieces", "deferred"])
+def test_seed_protocol_simulated(world: int, config: dict) -> None:
+    """Offsets, flag indices, peer addresses and block arithmetic of the seed's calls: every rank's
+    output is the reduced product on consecutive calls with fresh inputs, flags reset after each."""
+    shape = WL.check_shapes(world)[0]
+    for rank, errs in enumerate(_simulated_seed(world, config, shape, seeds=(3, 4))):
+        assert all(e < WL.tolerance() / 3 for e in errs), (rank, errs)
