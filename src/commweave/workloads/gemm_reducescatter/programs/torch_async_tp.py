@@ -1,9 +1,10 @@
 """Peer baseline: torch's async tensor parallelism, `symm_mem.fused_matmul_reduce_scatter`.
 
-torch multiplies A's row blocks one at a time, each into a symmetric buffer, and its copy engines
-move each finished block to the rank that owns it while the next is multiplied; the owner then sums
-the W partials. It returns a fresh output, so the result is copied into `out` (one extra
-[M/W, N] pass). At one rank there is nothing to overlap, so it is not offered there.
+torch multiplies A's row blocks one at a time (the block of rank - 1 first) into a symmetric double
+buffer; after a barrier the block's owner copies it out while the next is multiplied (two streams
+alternate), and each rank finally sums its W stacked partials with one `torch.sum`. It returns a
+fresh output, so the result is copied into `out` (one extra [M/W, N] pass). At one rank there is
+nothing to overlap, so it is not offered there.
 """
 
 import warnings
