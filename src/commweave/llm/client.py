@@ -178,13 +178,16 @@ class LLMClient(ABC):
 
         deadline = time.monotonic() + self.config.timeout_s
         threading.Thread(target=work, name=f"cw-llm-call-{self.name}", daemon=True).start()
+        abandoned = f"{self.name}: abandoned in flight: {{}}"
         while not done.wait(min(POLL_S, max(0.0, deadline - time.monotonic()))):
             if stop.is_set():
-                raise Abandoned(f"{self.name}: abandoned in flight: {self.ledger.closed or 'the call was cancelled'}")
+                raise Abandoned(abandoned.format(self.ledger.closed or "the call was cancelled"))
             if time.monotonic() >= deadline:
                 stop.set()
                 raise LLMTimeout(f"{self.name}: no complete reply within timeout_s={self.config.timeout_s:g} s "
                                  "(connect and every read together)")
+        if isinstance(box.get("error"), Abandoned):  # the worker saw the close first: the caller's reason
+            raise Abandoned(abandoned.format(self.ledger.closed or "the call was cancelled"))
         if "error" in box:
             raise box["error"]
         return box["reply"]
