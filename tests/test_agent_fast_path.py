@@ -467,24 +467,6 @@ def test_cli_fast_path_end_to_end_on_cpu(tmp_path):
     assert log["evaluation"]["verdict"]["ok"] and log["evaluation"]["baseline"] == "host"
 
 
-def test_cli_fast_path_with_a_truncated_reply_writes_the_attempt_log(tmp_path):
-    out = tmp_path / "toy_fast.py"
-    with ScriptedOpenAIServer([Raw(TRUNCATED)]) as srv:
-        config = tmp_path / "llm.toml"
-        config.write_text(f'[models.scripted]\nprovider = "openai"\nmodel = "m"\nbase_url = "{srv.base_url}"\n'
-                          'output_usd_per_mtok = 15.0\nmax_tokens = 1000\n')
-        result = runner.invoke(app, ["agent", "fast-path", str(TOY_INPUT), "--workload", "toy_workload:ToyGatherMatmul",
-                                     "--device", "cpu", "--gpus", "2", "--no-bench", "--llm", "scripted",
-                                     "--llm-config", str(config), "--attempts", "1", "--out", str(out)])
-    text = said(result)
-    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), text  # typer.Exit, no traceback
-    assert "stage A attempt 1: llm_error: the model's reply could not be used (bad_response)" in text
-    assert "no program written; every attempt is in" in text and not out.exists()
-    (call,) = json.loads(attempt_log_path(out).read_text())["attempts"][1]["calls"]
-    assert call["outcome"] == "bad_response" and "truncated or malformed JSON" in call["message"]
-    assert call["cost_usd"] == pytest.approx(1000 * 15.0 / 1e6)
-
-
 def test_cli_fast_path_errors_are_one_line(tmp_path):
     help_text = said(runner.invoke(app, ["agent", "fast-path", "--help"]))
     for option in ("--workload", "--gpus", "--shape", "--llm", "--llm-config", "--attempts", "--out"):

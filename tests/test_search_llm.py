@@ -389,18 +389,18 @@ def test_a_program_over_its_cap_is_sent_back(tmp_path):
 
 @pytest.mark.parametrize("cap, calls", [(0.003, 1), (0.007, 3)])
 def test_eight_llm_islands_never_spend_past_the_cap(tmp_path, cap, calls):
-    """$0.002 a call, 8 islands calling at once (each reply takes 0.2 s): as many calls go out
+    """$0.002 a call, 8 islands calling at once (each reply takes 0.5 s): as many calls go out
     together as the cap holds at their worst case, and the spend stays under the cap (with nothing
     reserved for calls in flight, a $0.003 cap let 8 islands spend $0.016)."""
     rewrites = distinct_rewrites()
-    with ScriptedOpenAIServer([lambda body: Stall(0.2, rewrites(body))] * 40) as srv:
+    with ScriptedOpenAIServer([lambda body: Stall(0.5, rewrites(body))] * 40) as srv:
         search = search_with(tmp_path, srv, budget=30, islands=8, llm_islands=8, patch="full", llm_budget=cap,
                              model=CAPPED | dict(timeout_s=5))
         search.run()
         times = list(srv.times)
     rows = search.db.llm_calls()
     assert search.ledger.spent_usd <= cap and sum(r["cost"] for r in rows) <= cap
-    assert len(times) == calls and max(times) - min(times) < 0.15  # in flight together
+    assert len(times) == calls and max(times) - min(times) < 0.5  # in flight together
     assert [r["outcome"] for r in rows].count("ok") == calls and search.db.llm_calls(outcome="budget")
     assert f"LLM budget of ${cap:.4f}" in search.db.meta()["stop_reason"]
     costs_add_up(search)
