@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from commweave.llm.config import DEFAULT_BASE_URL_ENV, DEFAULT_KEY_ENV, ModelConfig, prompt_tokens_bound
+from commweave.llm.config import DEFAULT_BASE_URL_ENV, DEFAULT_KEY_ENV, ModelConfig
 from commweave.llm.ledger import (Abandoned, BadResponse, BudgetExceeded, CallRecord, LLMError, LLMTimeout, Ledger,
                                   PromptTooLarge, RateLimited, Reservation, ServerError)
 
@@ -108,7 +108,7 @@ class LLMClient(ABC):
                 "(raise it in the model's config); not sent")
             self._book(records, None, purpose, error.kind, 0, 0, 0.0, 0.0, error.message)
             raise self._failed(error, records)
-        worst = self.config.cost_usd(prompt_tokens_bound(prompt_bytes, len(messages) + bool(system)), max_tokens)
+        worst = self.config.worst_case_usd(prompt_bytes, len(messages) + bool(system), max_tokens)
         start = time.monotonic()
         attempt = 0
         while True:
