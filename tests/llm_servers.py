@@ -19,7 +19,7 @@ When the script is used up the server answers 500 "script exhausted". Each JSON 
 endpoint is kept in `srv.requests` (headers in `srv.headers`, arrival times in `srv.times`);
 `srv.prompt(i)` is request i's system prompt and messages as one string, for
 `assert "..." in srv.prompt(0)`. `srv.model()` is a ModelConfig pointing at the server with
-test-sized timeouts (0.3 s, backoff 0.01 s, 2 retries):
+test-sized timeouts (1 s, backoff 0.01 s, 2 retries):
 
     with ScriptedOpenAIServer(["hello", Fail(429, retry_after="0"), Reply("x", 10, 5)]) as srv:
         client = client_for(srv.model(input_usd_per_mtok=1.0), Ledger())
@@ -131,9 +131,10 @@ class _ScriptedServer:
         return len(self._script)
 
     def model(self, name: str = "scripted", **overrides: Any) -> ModelConfig:
-        """A ModelConfig for this server: timeout 0.3 s, backoff 0.01 s, 2 retries, unless overridden."""
+        """A ModelConfig for this server: timeout 1 s (a call's whole life, so with room for a loaded
+        machine), backoff 0.01 s, 2 retries, unless overridden."""
         settings = dict(provider=self.provider, model="scripted-model", base_url=self.base_url,
-                        timeout_s=0.3, backoff_s=0.01, max_retries=2)
+                        timeout_s=1.0, backoff_s=0.01, max_retries=2)
         settings.update(overrides)
         return ModelConfig(name=name, **settings)
 

@@ -122,10 +122,10 @@ def test_a_trickling_reply_is_cut_at_the_total_deadline(server_cls):
 
 
 def test_a_timed_out_attempt_is_retried_and_booked_once(server_cls):
-    with server_cls([Stall(1.0, text="late"), Reply("on time", 10, 5)]) as srv:
-        client, records = _client(srv, timeout_s=0.3, max_retries=1)
+    with server_cls([Stall(1.2, text="late"), Reply("on time", 10, 5)]) as srv:
+        client, records = _client(srv, timeout_s=0.5, max_retries=1)
         done = client.complete(HI)
-        time.sleep(0.8)  # the stalled reply arrives at the abandoned worker: it must not be booked
+        time.sleep(0.9)  # the stalled reply arrives at the abandoned worker: it must not be booked
     assert done.text == "on time" and done.attempts == 2
     assert [r.outcome for r in records] == ["timeout", "ok"]
     assert done.cost_usd == pytest.approx(sum(r.cost_usd for r in records)) == client.ledger.spent_usd
@@ -170,7 +170,7 @@ def test_concurrent_calls_never_pass_the_cap():
     """8 threads at once, each call costing $0.002 of a $0.003 cap: reservations let one through
     at a time while it fits, so the spend stays under the cap (without them it would be $0.016)."""
     with ScriptedOpenAIServer([Stall(0.2, text="slow")] * 8 + [Reply("x", 0, 100)] * 8) as srv:
-        client, records = _client(srv, ledger=Ledger(budget_usd=0.003), input_usd_per_mtok=0.0)
+        client, records = _client(srv, ledger=Ledger(budget_usd=0.003), input_usd_per_mtok=0.0, timeout_s=5)
         barrier = threading.Barrier(8)
 
         def call() -> None:

@@ -158,7 +158,7 @@ def test_invalid_directives_message_names_every_reason(tmp_path):
 
 
 @pytest.mark.parametrize("script, model, outcomes", [
-    ([Stall(1.0), GOOD_DIFF], dict(max_retries=0), ["timeout", "ok"]),
+    ([Stall(3.0), GOOD_DIFF], dict(max_retries=0, timeout_s=0.5), ["timeout", "ok"]),
     ([Fail(429, retry_after="0"), GOOD_DIFF], {}, ["rate_limited", "ok"]),
     ([Fail(500)] * 3 + [GOOD_DIFF], {}, ["server_error"] * 3 + ["ok"]),
 ], ids=["timeout", "429-then-ok", "500"])
@@ -338,7 +338,7 @@ UNUSABLE_REPLIES = {
     "5mb-body": (Reply(GOOD_DIFF + "#" * 5_000_000), "bad_response", "over max_reply_bytes=2097152", {}),
     "negative-usage": (Reply(GOOD_DIFF, input_tokens=-9_000_000_000, output_tokens=50), "bad_response",
                        "not a token count >= 0", {}),
-    "trickle": (Trickle(GOOD_DIFF, interval_s=0.05), "timeout", "timeout_s=0.3 s", dict(max_retries=0)),
+    "trickle": (Trickle(GOOD_DIFF, interval_s=0.05), "timeout", "timeout_s=0.4 s", dict(max_retries=0, timeout_s=0.4)),
 }
 
 
