@@ -4,7 +4,11 @@
 `ScriptedAnthropicServer` answers `POST /v1/messages` (Anthropic's messages protocol). Each request
 takes the next step of the script:
 
-- `Reply(text, input_tokens=100, output_tokens=50)` (or just a string): a completion with that usage;
+- `Reply(text, input_tokens=100, output_tokens=50)` (or just a string): a completion with that usage
+  (`usage=False`: a completion stating no usage, as some local servers send);
+- `Raw(body, status=200, content_type=...)`: these bytes as the body, whatever they are (truncated
+  JSON, an HTML page, ...);
+- `Trickle(text, interval_s)`: a completion whose body arrives one byte every `interval_s`;
 - `Fail(status, retry_after=None, message=...)`: an HTTP error (429 with an optional Retry-After
   header, 500, 400, ...) with the provider's error JSON;
 - `Stall(seconds)`: answer only after `seconds` (longer than the client's timeout_s: a timeout);
@@ -15,7 +19,7 @@ When the script is used up the server answers 500 "script exhausted". Each JSON 
 endpoint is kept in `srv.requests` (headers in `srv.headers`, arrival times in `srv.times`);
 `srv.prompt(i)` is request i's system prompt and messages as one string, for
 `assert "..." in srv.prompt(0)`. `srv.model()` is a ModelConfig pointing at the server with
-test-sized timeouts (0.3 s, backoff 0.01 s, 2 retries):
+test-sized timeouts (1 s, backoff 0.01 s, 2 retries):
 
     with ScriptedOpenAIServer(["hello", Fail(429, retry_after="0"), Reply("x", 10, 5)]) as srv:
         client = client_for(srv.model(input_usd_per_mtok=1.0), Ledger())
@@ -43,6 +47,21 @@ class Reply:
     text: str
     input_tokens: int = 100
     output_tokens: int = 50
+    usage: bool = True  # False: the completion has no usage object
+
+
+@dataclass(frozen=True)
+class Raw:
+    body: bytes
+    status: int = 200
+    content_type: str = "application/json"
+    declare_length: bool = True  # False: no Content-Length, the body ends when the connection closes
+
+
+@dataclass(frozen=True)
+class Trickle:
+    text: str
+    interval_s: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -58,7 +77,9 @@ class Stall:
     text: str = "too late"
 
 
-Step = Union[Reply, Fail, Stall, str, Callable[[dict], Union[Reply, Fail, Stall, str]]]
+Answer = Union[Reply, Fail, Stall, Raw, Trickle, str]
+Step = Union[Answer, Callable[[dict], Answer]]
+_ANSWERS = (Reply, Fail, Stall, Raw, Trickle)
 
 
 class _ScriptedServer:
@@ -110,9 +131,10 @@ class _ScriptedServer:
         return len(self._script)
 
     def model(self, name: str = "scripted", **overrides: Any) -> ModelConfig:
-        """A ModelConfig for this server: timeout 0.3 s, backoff 0.01 s, 2 retries, unless overridden."""
+        """A ModelConfig for this server: timeout 1 s (a call's whole life, so with room for a loaded
+        machine), backoff 0.01 s, 2 retries, unless overridden."""
         settings = dict(provider=self.provider, model="scripted-model", base_url=self.base_url,
-                        timeout_s=0.3, backoff_s=0.01, max_retries=2)
+                        timeout_s=1.0, backoff_s=0.01, max_retries=2)
         settings.update(overrides)
         return ModelConfig(name=name, **settings)
 
@@ -127,13 +149,13 @@ class _ScriptedServer:
             parts.append(str(content))
         return "\n".join(parts)
 
-    def _next(self, body: dict, headers: dict[str, str]) -> Reply | Fail | Stall:
+    def _next(self, body: dict, headers: dict[str, str]) -> Reply | Fail | Stall | Raw | Trickle:
         with self._lock:
             self.requests.append(body)
             self.headers.append(headers)
             self.times.append(time.monotonic())
             step = self._script.pop(0) if self._script else Fail(500, message="script exhausted")
-        if callable(step) and not isinstance(step, (Reply, Fail, Stall)):
+        if callable(step) and not isinstance(step, _ANSWERS):
             step = step(body)
         return Reply(step) if isinstance(step, str) else step
 
@@ -159,9 +181,9 @@ class ScriptedOpenAIServer(_ScriptedServer):
         return {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model", ""),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
-                             "finish_reason": "stop"}],
+                             "finish_reason": "stop"}]} | ({
                 "usage": {"prompt_tokens": reply.input_tokens, "completion_tokens": reply.output_tokens,
-                          "total_tokens": reply.input_tokens + reply.output_tokens}}
+                          "total_tokens": reply.input_tokens + reply.output_tokens}} if reply.usage else {})
 
     def error(self, status: int, message: str) -> dict:
         return {"error": {"message": message, "type": "scripted", "code": status}}
@@ -180,8 +202,8 @@ class ScriptedAnthropicServer(_ScriptedServer):
     def completion(self, body: dict, reply: Reply) -> dict:
         return {"id": f"msg_{len(self.requests)}", "type": "message", "role": "assistant",
                 "model": body.get("model", ""), "content": [{"type": "text", "text": reply.text}],
-                "stop_reason": "end_turn", "stop_sequence": None,
-                "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens}}
+                "stop_reason": "end_turn", "stop_sequence": None} | ({
+                "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens}} if reply.usage else {})
 
     def error(self, status: int, message: str) -> dict:
         kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "api_error")
@@ -207,19 +229,46 @@ class _Handler(BaseHTTPRequestHandler):
             if owner._stopping.wait(step.seconds):
                 return
             step = Reply(step.text)
-        self._send(200, owner.completion(body, step))
+        if isinstance(step, Raw):
+            self._send_bytes(step.status, step.body, step.content_type, declare_length=step.declare_length)
+        elif isinstance(step, Trickle):
+            self._trickle(json.dumps(owner.completion(body, Reply(step.text))).encode(), step.interval_s)
+        else:
+            self._send(200, owner.completion(body, step))
 
     def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(payload).encode()
+        self._send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
+
+    def _send_bytes(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None,
+                    declare_length: bool = True) -> None:
         try:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Type", content_type)
+            if declare_length:
+                self.send_header("Content-Length", str(len(data)))
+            else:
+                self.close_connection = True
             for key, value in (headers or {}).items():
                 self.send_header(key, value)
             self.end_headers()
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
+            pass
+
+    def _trickle(self, data: bytes, interval_s: float) -> None:
+        """A 200 whose declared body arrives one byte per `interval_s` (until the client leaves)."""
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.flush()
+            for i in range(len(data)):
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+                if self.server_owner._stopping.wait(interval_s):
+                    return
+        except (BrokenPipeError, ConnectionResetError):
             pass
 
     def log_message(self, format: str, *args: Any) -> None:  # keep test output clean

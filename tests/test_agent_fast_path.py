@@ -38,7 +38,7 @@ from commweave.llm import Ledger, client_for, extract_code
 from commweave.runtime import WorkerPool
 from commweave.space import directives_of, program_body
 from commweave.workloads import get_workload
-from llm_servers import Fail, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer
+from llm_servers import Fail, Raw, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer, Trickle
 from toy_workload import ToyGatherMatmul
 
 TESTS = Path(__file__).parent
@@ -71,10 +71,12 @@ def toy_evaluator(pool):
     return Evaluator(pool, TOY, warmup=1, iters=3)
 
 
-def toy_agent(evaluator, srv, attempts: int = 3, budget: float | None = None, **kw):
-    """A fast path on the toy workload through `srv`, and the list its ledger's records go to."""
+def toy_agent(evaluator, srv, attempts: int = 3, budget: float | None = None, model: dict | None = None, **kw):
+    """A fast path on the toy workload through `srv` (its model config overridden by `model`), and
+    the list its ledger's records go to."""
     records = []
-    client = client_for(srv.model(timeout_s=10, **PRICES), Ledger(budget, on_call=records.append))
+    client = client_for(srv.model(**(dict(timeout_s=10) | PRICES | (model or {}))),
+                        Ledger(budget, on_call=records.append))
     agent = FastPath(TOY, evaluator, client, world_size=2, attempts=attempts,
                      require_device_initiated=kw.pop("require_device_initiated", False), **kw)
     return agent, records
@@ -322,12 +324,72 @@ def test_stage_b_must_leave_no_host_collective(toy_evaluator):
 
 
 def test_budget_stops_the_run_cleanly(toy_evaluator):
+    """Each call's worst case is $0.0075 (500 tokens out at $15 per million, prompts free): the
+    first fits a $0.012 budget and costs $0.006; the second's worst case no longer fits."""
     with ScriptedOpenAIServer(TOY_FLOW) as srv:
-        agent, records = toy_agent(toy_evaluator, srv, budget=0.005)  # stage A's answer costs $0.0123
+        agent, records = toy_agent(toy_evaluator, srv, budget=0.012, model=dict(input_usd_per_mtok=0.0, max_tokens=500))
         result = agent.run(TOY_INPUT)
         assert len(srv.requests) == 1
     assert not result.ok and "budget is spent" in result.message and result.stage == "B"
     assert [r.outcome for r in records] == ["ok", "budget"]
+    assert [(a.stage, a.failure) for a in result.attempts][-1] == ("B", "budget")
+    assert result.cost_usd == pytest.approx(0.006) and agent.client.ledger.spent_usd <= 0.012
+
+
+TRUNCATED = b'{"id": "chatcmpl-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "```python'
+FAST_PATH_REPLIES = {
+    # case: (the reply, the outcome of its call, words of the attempt's message, model overrides)
+    "truncated-json": (Raw(TRUNCATED), "bad_response", "truncated or malformed JSON", {}),
+    "html": (Raw(b"<!DOCTYPE html><title>504 Gateway Timeout</title>", content_type="text/html"), "bad_response",
+             "an HTML page", {}),
+    "not-json": (Raw(b"Internal proxy error", content_type="text/plain"), "bad_response", "is not JSON", {}),
+    "5mb-body": (Reply(script("toy", "stage_a") + "#" * 5_000_000, 2100, 400), "bad_response",
+                 "over max_reply_bytes=2097152", {}),
+    "negative-usage": (Reply(script("toy", "stage_a"), -2100, 400), "bad_response", "not a token count >= 0", {}),
+    "trickle": (Trickle(script("toy", "stage_a"), interval_s=0.05), "timeout", "timeout_s=0.4 s",
+                dict(timeout_s=0.4, max_retries=0)),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST_PATH_REPLIES))
+def test_an_unusable_reply_is_a_recorded_attempt_not_a_crash(toy_evaluator, tmp_path, case):
+    """The attempt fails as llm_error naming the call's outcome and reason, its call (charged its
+    worst case) is in the attempt log, and the run goes on or ends as a result."""
+    reply, outcome, words, model = FAST_PATH_REPLIES[case]
+    flow = [reply, TOY_FLOW[0], TOY_FLOW[3]] if case == "html" else [reply]
+    with ScriptedOpenAIServer(flow) as srv:
+        agent, records = toy_agent(toy_evaluator, srv, attempts=2 if case == "html" else 1, model=model)
+        result = agent.run(TOY_INPUT)
+    failed = result.attempts[1]
+    assert (failed.stage, failed.failure) == ("A", "llm_error") and words in failed.message, failed.message
+    assert f"({outcome})" in failed.message
+    assert [c["outcome"] for c in failed.calls] == [outcome] and records[0].outcome == outcome
+    assert failed.cost_usd == pytest.approx(records[0].cost_usd) and failed.cost_usd > 0
+    assert result.ok == (case == "html") and result.cost_usd == pytest.approx(sum(r.cost_usd for r in records))
+    _, log_path = result.write(tmp_path / "fast.py")
+    logged = json.loads(log_path.read_text())["attempts"][1]
+    assert logged["failure"] == "llm_error" and logged["calls"][0]["outcome"] == outcome
+    assert words in logged["calls"][0]["message"]
+
+
+def test_a_reply_without_usage_is_charged_its_worst_case(toy_evaluator):
+    with ScriptedOpenAIServer([Reply(script("toy", "stage_a"), usage=False), TOY_FLOW[3]]) as srv:
+        agent, records = toy_agent(toy_evaluator, srv, model=dict(input_usd_per_mtok=0.0, max_tokens=500))
+        with pytest.warns(RuntimeWarning, match="no token usage"):
+            result = agent.run(TOY_INPUT)
+    assert result.ok, result.message
+    assert [r.outcome for r in records] == ["ok", "ok"] and "no token usage" in result.attempts[1].calls[0]["message"]
+    assert result.attempts[1].cost_usd == pytest.approx(500 * 15.0 / 1e6)  # max_tokens at the output price
+
+
+def test_a_program_over_its_cap_is_a_failed_attempt(toy_evaluator):
+    stage_a = script("toy", "stage_a")
+    with ScriptedOpenAIServer([stage_a]) as srv:
+        agent, records = toy_agent(toy_evaluator, srv, attempts=1, model=dict(max_program_bytes=100))
+        result = agent.run(TOY_INPUT)
+    failed = result.attempts[1]
+    assert not result.ok and failed.failure == "parse_error"
+    assert "over max_program_bytes=100 (the model's config)" in failed.message
 
 
 def test_input_that_fails_the_cascade_stops_before_any_llm_call(toy_evaluator):

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from llm_servers import Fail, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer, Stall
+from llm_servers import Fail, Raw, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer, Stall, Trickle
 from typer.testing import CliRunner
 
 from commweave.cli import app
@@ -36,6 +36,8 @@ OPTIMUM = SEED.with_(comm_ctas=16)  # the seed is one step away: fitness 1.7, th
 CTAS_LINE = next(line for line in SEED_BODY.splitlines(keepends=True) if line.strip().startswith("comm_ctas=8,"))
 PRICES = dict(input_usd_per_mtok=10.0, output_usd_per_mtok=20.0)  # 100 in + 50 out tokens: $0.002 a call
 CALL_USD = 0.002
+#: for budget tests: 50 output tokens at most, prompts free, so a call's worst case is its real cost, $0.002
+CAPPED = dict(input_usd_per_mtok=0.0, output_usd_per_mtok=40.0, max_tokens=50)
 ONLY = {patch: {"explore": PhasePolicy({patch: 1.0}, 0.9), "exploit": PhasePolicy({patch: 1.0}, 0.2)}
         for patch in ("diff", "full", "crossover")}
 
@@ -70,9 +72,11 @@ def distinct_rewrites():
 
 def search_with(tmp_path, srv, *, budget: int = 2, islands: int = 1, llm_islands: int = 1, patch: str = "diff",
                 llm_budget: float | None = None, name: str = "run", model: dict | None = None, delay_s: float = 0.0,
-                **config) -> Evolution:
+                wall_s: float | None = None, **config) -> Evolution:
+    """A search of `budget` evaluations (or `wall_s` seconds) whose LLM islands call `srv`."""
     ev = SimulatedEvaluator(TEMPLATE, 4, OPTIMUM, delay_s=delay_s)
-    search = Evolution(ProgramDB(tmp_path / f"{name}.sqlite"), TEMPLATE, ev, SHAPE, 4, Budget(evaluations=budget),
+    run_budget = Budget(seconds=wall_s) if wall_s is not None else Budget(evaluations=budget)
+    search = Evolution(ProgramDB(tmp_path / f"{name}.sqlite"), TEMPLATE, ev, SHAPE, 4, run_budget,
                        SearchConfig(islands=islands, llm_islands=llm_islands, seed=1, **config),
                        llm_models=[srv.model(**(PRICES | (model or {})))], llm_budget_usd=llm_budget)
     search.llm.phases = ONLY[patch]
@@ -154,7 +158,7 @@ def test_invalid_directives_message_names_every_reason(tmp_path):
 
 
 @pytest.mark.parametrize("script, model, outcomes", [
-    ([Stall(1.0), GOOD_DIFF], dict(max_retries=0), ["timeout", "ok"]),
+    ([Stall(3.0), GOOD_DIFF], dict(max_retries=0, timeout_s=0.5), ["timeout", "ok"]),
     ([Fail(429, retry_after="0"), GOOD_DIFF], {}, ["rate_limited", "ok"]),
     ([Fail(500)] * 3 + [GOOD_DIFF], {}, ["server_error"] * 3 + ["ok"]),
 ], ids=["timeout", "429-then-ok", "500"])
@@ -214,10 +218,12 @@ def test_an_island_that_gets_no_usable_child_rests_and_the_run_ends(tmp_path):
 
 def test_budget_stop_and_cost_accounting(tmp_path):
     with ScriptedOpenAIServer([distinct_rewrites()] * 40) as srv:
-        search = search_with(tmp_path, srv, budget=30, islands=2, llm_islands=2, patch="full", llm_budget=0.005)
+        search = search_with(tmp_path, srv, budget=30, islands=2, llm_islands=2, patch="full", llm_budget=0.005,
+                             model=CAPPED)
         search.run()
+        assert len(srv.requests) == 2  # a third call's worst case would pass the cap: never sent
     spent = search.ledger.spent_usd
-    assert 0.005 <= spent <= 0.005 + 2 * CALL_USD  # each of the 2 islands may have one call in flight at the cap
+    assert spent == pytest.approx(2 * CALL_USD) and spent <= 0.005
     assert search.db.count() < 30
     meta = search.db.meta()
     assert meta["llm_budget_usd"] == 0.005 and "LLM budget of $0.0050 is spent" in meta["stop_reason"]
@@ -229,18 +235,18 @@ def test_budget_stop_and_cost_accounting(tmp_path):
 
 def test_resume_keeps_the_spent_dollars(tmp_path):
     with ScriptedOpenAIServer([distinct_rewrites()] * 10) as srv:
-        first = search_with(tmp_path, srv, budget=2, patch="full", llm_budget=0.005)
+        first = search_with(tmp_path, srv, budget=2, patch="full", llm_budget=0.005, model=CAPPED)
         first.run()
         assert first.db.meta()["llm_spent_usd"] == pytest.approx(CALL_USD)
         first.db.set_meta(budget={"evaluations": 20, "seconds": None})
         first.db.close()
-        resumed = search_with(tmp_path, srv, budget=2, patch="full", llm_budget=None)
+        resumed = search_with(tmp_path, srv, budget=2, patch="full", llm_budget=None, model=CAPPED)
         assert resumed.ledger.spent_usd == pytest.approx(CALL_USD) and resumed.ledger.budget_usd == 0.005
         resumed.run()
-        assert len(srv.requests) == 3  # $0.002 before, then two calls reach the $0.005 cap
-    assert resumed.ledger.spent_usd == pytest.approx(3 * CALL_USD)
+        assert len(srv.requests) == 2  # $0.002 before, one more fits the $0.005 cap, a third would pass it
+    assert resumed.ledger.spent_usd == pytest.approx(2 * CALL_USD)
     assert "LLM budget" in resumed.db.meta()["stop_reason"]
-    assert [p.id for p in resumed.db.programs()] == [1, 2, 3, 4]
+    assert [p.id for p in resumed.db.programs()] == [1, 2, 3]
     costs_add_up(resumed)
 
 
@@ -318,6 +324,104 @@ def test_driver_shows_the_llm_spend(tmp_path):
         assert "- GPU: sim" in srv.prompt(0)
     assert count == 2 and best.proposer == "scripted" and not paused
     assert "LLM $0.00" in out.getvalue()
+
+
+# -- a loop that survives its LLM ---------------------------------------------------------------
+TRUNCATED = ('{"id": "chatcmpl-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": '
+             + json.dumps(GOOD_DIFF)[:120]).encode()
+UNUSABLE_REPLIES = {
+    # case: (the reply, the outcome of its llm_calls row, words of that row's message, model overrides)
+    "truncated-json": (Raw(TRUNCATED), "bad_response", "truncated or malformed JSON", {}),
+    "html": (Raw(b"<html><body><h1>502 Bad Gateway</h1></body></html>", content_type="text/html"), "bad_response",
+             "an HTML page", {}),
+    "not-json": (Raw(b"model overloaded, retry later", content_type="text/plain"), "bad_response", "is not JSON", {}),
+    "5mb-body": (Reply(GOOD_DIFF + "#" * 5_000_000), "bad_response", "over max_reply_bytes=2097152", {}),
+    "negative-usage": (Reply(GOOD_DIFF, input_tokens=-9_000_000_000, output_tokens=50), "bad_response",
+                       "not a token count >= 0", {}),
+    "trickle": (Trickle(GOOD_DIFF, interval_s=0.05), "timeout", "timeout_s=0.4 s", dict(max_retries=0, timeout_s=0.4)),
+}
+
+
+@pytest.mark.parametrize("case", list(UNUSABLE_REPLIES))
+def test_an_unusable_reply_is_recorded_and_the_island_goes_on(tmp_path, case):
+    """The reply ends its proposal with a recorded outcome and reason (charged its worst case: the
+    server did the work); the island asks afresh and the run goes on to the next child."""
+    reply, outcome, words, model = UNUSABLE_REPLIES[case]
+    with ScriptedOpenAIServer([reply, GOOD_DIFF]) as srv:
+        search = search_with(tmp_path, srv, model=model)
+        search.run()
+        assert len(srv.requests) == 2
+    bad, ok = search.db.llm_calls()
+    assert (bad["outcome"], ok["outcome"]) == (outcome, "ok") and words in bad["message"], bad["message"]
+    assert "charged the worst case" in bad["message"] and bad["cost"] > CALL_USD and bad["program_id"] is None
+    child = search.db.programs()[-1]
+    assert child.proposer == "scripted" and child.fitness == pytest.approx(2.0)
+    assert search.db.meta()["stop_reason"] == "the budget is spent"
+    costs_add_up(search)
+
+
+def test_a_reply_without_usage_makes_a_child_charged_its_worst_case(tmp_path):
+    with ScriptedOpenAIServer([Reply(GOOD_DIFF, usage=False)]) as srv:
+        search = search_with(tmp_path, srv, model=CAPPED)
+        with pytest.warns(RuntimeWarning, match="no token usage"):
+            search.run()
+    (call,) = search.db.llm_calls()
+    assert call["outcome"] == "ok" and "no token usage: charged its worst case" in call["message"]
+    assert call["cost"] == pytest.approx(CALL_USD)  # CAPPED: the worst case is 50 tokens at $40 per million
+    child = search.db.programs()[-1]
+    assert child.cost == pytest.approx(CALL_USD) and child.fitness == pytest.approx(2.0)
+    costs_add_up(search)
+
+
+def test_a_program_over_its_cap_is_sent_back(tmp_path):
+    cap = len(SEED_BODY.encode()) + 1000
+    padded = rewrite_answer(with_config(SEED_BODY, comm_ctas=16).replace("# EVOLVE-BLOCK-END",
+                                                                         "#" * 2000 + "\n# EVOLVE-BLOCK-END"), OPTIMUM)
+    with ScriptedOpenAIServer([padded, GOOD_REWRITE]) as srv:
+        search = search_with(tmp_path, srv, patch="full", model=dict(max_program_bytes=cap))
+        search.run()
+        echoed = srv.requests[1]["messages"][-2]["content"]
+    (refused,) = search.db.llm_calls(outcome="malformed:too_large")
+    assert f"over max_program_bytes={cap} (the model's config)" in refused["message"]
+    assert len(echoed.encode()) < len(padded.encode()) and "more bytes of your answer not repeated" in echoed
+    assert len(search.db.programs()[-1].code.encode()) <= cap
+
+
+@pytest.mark.parametrize("cap, calls", [(0.003, 1), (0.007, 3)])
+def test_eight_llm_islands_never_spend_past_the_cap(tmp_path, cap, calls):
+    """$0.002 a call, 8 islands calling at once (each reply takes 0.5 s): as many calls go out
+    together as the cap holds at their worst case, and the spend stays under the cap (with nothing
+    reserved for calls in flight, a $0.003 cap let 8 islands spend $0.016)."""
+    rewrites = distinct_rewrites()
+    with ScriptedOpenAIServer([lambda body: Stall(0.5, rewrites(body))] * 40) as srv:
+        search = search_with(tmp_path, srv, budget=30, islands=8, llm_islands=8, patch="full", llm_budget=cap,
+                             model=CAPPED | dict(timeout_s=5))
+        search.run()
+        times = list(srv.times)
+    rows = search.db.llm_calls()
+    assert search.ledger.spent_usd <= cap and sum(r["cost"] for r in rows) <= cap
+    assert len(times) == calls and max(times) - min(times) < 0.5  # in flight together
+    assert [r["outcome"] for r in rows].count("ok") == calls and search.db.llm_calls(outcome="budget")
+    assert f"LLM budget of ${cap:.4f}" in search.db.meta()["stop_reason"]
+    costs_add_up(search)
+
+
+@pytest.mark.parametrize("how", ["wall_budget", "stop_after_s"])
+def test_a_run_with_a_short_wall_budget_returns_on_time(tmp_path, how):
+    """A model trickling its reply (one byte per 50 ms, a 30 s call deadline) cannot hold the run:
+    it returns within its 1 s of wall time plus the loop's 1 s wait, and the call in flight is
+    abandoned and recorded."""
+    with ScriptedOpenAIServer([Trickle(GOOD_DIFF, interval_s=0.05)] * 4) as srv:
+        search = search_with(tmp_path, srv, model=dict(timeout_s=30), budget=100,
+                             wall_s=1.0 if how == "wall_budget" else None)
+        t0 = time.monotonic()
+        search.run(stop_after_s=1.0 if how == "stop_after_s" else None)
+        took = time.monotonic() - t0
+    assert took < 1.0 + 1.5, took
+    (call,) = search.db.llm_calls()
+    assert call["outcome"] == "abandoned" and "the search run ended" in call["message"]
+    assert search.ledger.reserved_usd == 0 and search.ledger.closed is not None
+    costs_add_up(search)
 
 
 # -- prompts, patch mix, parsing ----------------------------------------------------------------

@@ -10,8 +10,10 @@ Two stages, each a bounded loop of attempts judged by the cascade:
 
 A failure the cascade reports goes to a judge (a separate call, purpose "judge") that diagnoses
 it without prescribing API calls; the diagnosis and the failure go into the next attempt's
-prompt. An answer without a usable program, or a failed LLM call, is a failed attempt whose error
-is fed back as it is. Every attempt is recorded (stage, verdict, diagnosis, tokens, cost).
+prompt. An answer without a usable program (or one over the model's `max_program_bytes`), or a
+failed LLM call (unreachable, timed out, an unusable reply), is a failed attempt whose error is
+fed back as it is. Every attempt is recorded (stage, verdict, diagnosis, tokens, cost, and each
+HTTP call it made with its outcome), and a spent budget ends the run with what it has.
 
 With no LLM configured, the fast path renders the workload's template at the conservative
 directive set (or, where the template does not implement it, at the nearest set it does, saying
@@ -32,7 +34,7 @@ from commweave.agents.prompts import (
 )
 from commweave.contracts.result import EvalResult
 from commweave.contracts.verdict import Verdict
-from commweave.llm import BudgetExceeded, LLMClient, LLMError, Message, PatchError, extract_code
+from commweave.llm import BudgetExceeded, CallRecord, LLMClient, LLMError, Message, PatchError, extract_code
 from commweave.space import DirectiveSet, Space, Template, directives_header, program_body
 from commweave.contracts.workload import Shape, Workload
 
@@ -108,6 +110,12 @@ class Attempt:
     cost_usd: float = 0.0
     program: str | None = None
     response: str = ""  # the model's raw answer
+    calls: list[dict[str, Any]] = field(default_factory=list)  # every HTTP call (CallRecord) of the attempt
+
+    def add_calls(self, records: tuple[CallRecord, ...]) -> None:
+        """Count a call's records (its attempts, failed ones included) to this attempt."""
+        self.calls += [asdict(r) for r in records]
+        self.cost_usd += sum(r.cost_usd for r in records)
 
     @classmethod
     def of_verdict(cls, stage: str, attempt: int, verdict: Verdict, program: str) -> Attempt:
@@ -266,6 +274,9 @@ class FastPath:
             prompt = rewrite_prompt(stage, self.workload.name, facts, analysis, start, language, ds, feedback)
             attempt = self._attempt(stage, n, prompt, ds)
             result.attempts.append(attempt)
+            if attempt.failure == "budget":
+                self.log(_line(attempt))
+                raise _Stop(f"the LLM budget is spent ({attempt.message}); stopped cleanly")
             last = n == self.attempts
             if attempt.ok:
                 self.log(_line(attempt))
@@ -280,17 +291,31 @@ class FastPath:
 
     def _attempt(self, stage: str, n: int, prompt: str, ds: DirectiveSet | None) -> Attempt:
         """One rewrite: the call, the program from the answer, the static check, the cascade."""
+        assert self.client is not None
         try:
-            completion = self._complete(prompt, REWRITE_SYSTEM, REWRITE_TEMPERATURE, "fast_path")
+            completion = self.client.complete([Message("user", prompt)], system=REWRITE_SYSTEM,
+                                              temperature=REWRITE_TEMPERATURE, purpose="fast_path")
+        except BudgetExceeded as exc:
+            attempt = Attempt(stage, n, False, "budget", exc.message)
+            attempt.add_calls(exc.records)
+            return attempt
         except LLMError as exc:
-            return Attempt(stage, n, False, "llm_error", f"the model could not be reached: {exc}")
+            attempt = Attempt(stage, n, False, "llm_error", _call_failed(exc))
+            attempt.add_calls(exc.records)
+            return attempt
         attempt = Attempt(stage, n, False, None, "", input_tokens=completion.input_tokens,
-                          output_tokens=completion.output_tokens, cost_usd=completion.cost_usd,
-                          response=completion.text)
+                          output_tokens=completion.output_tokens, response=completion.text)
+        attempt.add_calls(completion.records)
         try:
             program = extract_code(completion.text, "python")
         except PatchError as exc:
             attempt.failure, attempt.message = "parse_error", f"the answer could not be used: {exc}"
+            return attempt
+        size, cap = len(program.encode()), self.client.config.max_program_bytes
+        if size > cap:
+            attempt.failure = "parse_error"
+            attempt.message = (f"the answer could not be used: its program is {size} bytes, over max_program_bytes={cap} "
+                               "(the model's config); write a shorter program")
             return attempt
         if ds is not None:
             program = directives_header(ds) + program_body(program)
@@ -320,24 +345,22 @@ class FastPath:
         count to the attempt)."""
         assert attempt.program is not None
         prompt = judge_prompt(stage, facts, attempt.program, attempt.failure or "", attempt.message, attempt.detail)
+        assert self.client is not None
         try:
-            completion = self._complete(prompt, JUDGE_SYSTEM, JUDGE_TEMPERATURE, "judge")
+            completion = self.client.complete([Message("user", prompt)], system=JUDGE_SYSTEM,
+                                              temperature=JUDGE_TEMPERATURE, purpose="judge")
+        except BudgetExceeded as exc:
+            attempt.add_calls(exc.records)
+            raise _Stop(f"the LLM budget is spent ({exc}); stopped cleanly") from exc
         except LLMError as exc:
-            self.log(f"stage {stage} attempt {attempt.attempt}: the judge could not be reached ({exc}); "
+            attempt.add_calls(exc.records)
+            self.log(f"stage {stage} attempt {attempt.attempt}: the judge failed ({_call_failed(exc)}); "
                      "the next attempt gets the failure alone")
             return ""
         attempt.input_tokens += completion.input_tokens
         attempt.output_tokens += completion.output_tokens
-        attempt.cost_usd += completion.cost_usd
+        attempt.add_calls(completion.records)
         return completion.text.strip()
-
-    def _complete(self, prompt: str, system: str, temperature: float, purpose: str):
-        assert self.client is not None
-        try:
-            return self.client.complete([Message("user", prompt)], system=system, temperature=temperature,
-                                        purpose=purpose)
-        except BudgetExceeded as exc:
-            raise _Stop(f"the LLM budget is spent ({exc}); stopped cleanly") from exc
 
     # -- benchmark ------------------------------------------------------------------------------
     def _benchmark(self, result: FastPathResult, shape: Shape) -> None:
@@ -357,6 +380,17 @@ class FastPath:
             result.message += f"; {ev.fitness:.2f}x over {ev.baseline} at {shape}"
         self.log(f"benchmark at {shape}: " + (f"{ev.fitness:.2f}x over {ev.baseline}" if ev.verdict.ok else
                                               f"{ev.verdict.failure}: {ev.verdict.message}"))
+
+
+#: call failures where no reply came back (the others came back unusable)
+_UNREACHED = ("rate_limited", "server_error", "timeout", "abandoned")
+
+
+def _call_failed(error: LLMError) -> str:
+    """An attempt's message for a failed call, naming its outcome and reason."""
+    if error.kind in _UNREACHED:
+        return f"the model could not be reached ({error.kind}): {error.message}"
+    return f"the model's reply could not be used ({error.kind}): {error.message}"
 
 
 def _line(attempt: Attempt) -> str:

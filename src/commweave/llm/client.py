@@ -3,29 +3,40 @@ or Anthropic's messages API, through the official SDKs (the optional extra `comm
 
 The SDKs' own retries are off: our loop retries instead (429 honouring Retry-After, 5xx, timeouts,
 lost connections; exponential backoff with jitter), so that every attempt becomes a CallRecord in
-the run's ledger and the budget is checked before each one.
+the run's ledger and holds a reservation of its worst-case cost while in flight.
+
+Each attempt runs on a worker thread and is given up at its deadline (`timeout_s` for connect
+and every read together), or at once when the ledger is closed: a server that trickles its reply
+cannot hold a caller. The worker reads the body itself, in chunks, up to `max_reply_bytes`, and
+the JSON is checked here, so any unusable reply (truncated, HTML, too large, bad usage) becomes a
+BadResponse naming why. Only the caller's thread books an attempt, once.
 """
 
 from __future__ import annotations
 
 import email.utils
+import json
 import os
 import random
+import threading
 import time
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from commweave.llm.config import DEFAULT_BASE_URL_ENV, DEFAULT_KEY_ENV, ModelConfig
-from commweave.llm.ledger import (BadResponse, BudgetExceeded, CallRecord, LLMError, LLMTimeout, Ledger,
-                                  RateLimited, ServerError)
+from commweave.llm.ledger import (Abandoned, BadResponse, BudgetExceeded, CallRecord, LLMError, LLMTimeout, Ledger,
+                                  PromptTooLarge, RateLimited, Reservation, ServerError)
 
 ROLES = ("user", "assistant")
 MAX_RETRY_AFTER_S = 60.0  # a server asking for longer is not waited for longer than this
 MAX_BACKOFF_S = 60.0
 LOCAL_PLACEHOLDER_KEY = "not-needed"  # local servers ignore the key, the SDKs insist on one
+POLL_S = 0.02  # how often a caller waiting on its worker looks at the deadline and the ledger
 _ERROR_TEXT_CHARS = 500
+_HEAD_CHARS = 80  # of an unusable body, quoted in the error
 
 
 @dataclass(frozen=True)
@@ -44,21 +55,26 @@ class Message:
 class Completion:
     text: str
     model: str  # ModelConfig.name
-    input_tokens: int
+    input_tokens: int  # the answering attempt's usage (0 when the reply stated none)
     output_tokens: int
-    cost_usd: float
+    cost_usd: float  # every attempt of the call (a timed-out attempt may be billed)
     latency_s: float  # from the call to the answer, retries and backoff included
     attempts: int  # HTTP attempts this completion took (1 = no retry)
+    records: tuple[CallRecord, ...] = ()  # one per attempt, as the ledger booked them
 
 
 @dataclass(frozen=True)
 class _Reply:
-    """What one successful HTTP exchange returned, before validation."""
+    """What one HTTP exchange returned, checked for shape; usage None when the reply stated none."""
 
     text: str
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int | None
+    output_tokens: int | None
     finish_reason: str
+
+
+class _Unusable(BadResponse):
+    """A 200 reply that cannot be used; the server did the work, so it is charged its worst case."""
 
 
 class LLMClient(ABC):
@@ -69,54 +85,133 @@ class LLMClient(ABC):
         self.name = config.name
         self.ledger = ledger if ledger is not None else Ledger()
         self._rng = random.Random()  # backoff jitter only
+        self._warned_usage = False
 
     def complete(self, messages: list[Message], *, system: str = "", temperature: float = 0.7,
                  max_tokens: int | None = None, purpose: str = "propose") -> Completion:
-        """The model's answer. Raises BudgetExceeded (before sending) once the ledger is spent,
-        BadResponse at once for a 4xx other than 429 or an empty answer, and the error of the last
-        attempt once `max_retries` retries of 429 / 5xx / timeouts are used up."""
+        """The model's answer. Raises PromptTooLarge or BudgetExceeded before sending (the prompt
+        is over `max_prompt_bytes`; the budget cannot hold the attempt's worst case), Abandoned
+        once the ledger is closed, BadResponse at once for a 4xx other than 429 or an unusable
+        reply, and the error of the last attempt once `max_retries` retries of 429 / 5xx /
+        timeouts are used up. Every error carries the records of the call's attempts."""
         if not messages:
             raise ValueError("complete() needs at least one message")
         if self.config.temperature is not None:
             temperature = self.config.temperature
         if max_tokens is None:
             max_tokens = self.config.max_tokens
+        records: list[CallRecord] = []
+        prompt_bytes = len(system.encode()) + sum(len(m.content.encode()) for m in messages)
+        if prompt_bytes > self.config.max_prompt_bytes:
+            error: LLMError = PromptTooLarge(
+                f"{self.name}: the prompt is {prompt_bytes} bytes, over max_prompt_bytes={self.config.max_prompt_bytes} "
+                "(raise it in the model's config); not sent")
+            self._book(records, None, purpose, error.kind, 0, 0, 0.0, 0.0, error.message)
+            raise self._failed(error, records)
+        worst = self.config.worst_case_usd(prompt_bytes, len(messages) + bool(system), max_tokens)
         start = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             try:
-                self.ledger.check()
+                reservation = self.ledger.reserve(worst)
             except BudgetExceeded as e:
-                self._record(purpose, "budget", 0, 0, 0.0, 0.0, e.message)
-                raise
+                self._book(records, None, purpose, e.kind, 0, 0, 0.0, 0.0, e.message)
+                raise self._failed(e, records)
+            except Abandoned as e:  # the run ended between attempts: nothing was sent
+                raise self._failed(e, records)
             t0 = time.monotonic()
             try:
-                reply = self._send(messages, system, temperature, max_tokens)
-            except (RateLimited, ServerError, LLMTimeout) as e:
-                self._record(purpose, e.kind, 0, 0, 0.0, time.monotonic() - t0, e.message)
+                reply = self._attempt(reservation, messages, system, temperature, max_tokens)
+            except (RateLimited, ServerError) as e:  # refused or never reached: not billed
+                self._book(records, reservation, purpose, e.kind, 0, 0, 0.0, time.monotonic() - t0, e.message)
                 if attempt > self.config.max_retries:
-                    raise
-                time.sleep(self._wait_s(attempt - 1, e))
+                    raise self._failed(e, records)
+                self.ledger.sleep(self._wait_s(attempt - 1, e))
                 continue
-            except LLMError as e:
-                self._record(purpose, e.kind, 0, 0, 0.0, time.monotonic() - t0, e.message)
-                raise
+            except (LLMTimeout, Abandoned, _Unusable) as e:  # sent, maybe answered: billable up to its worst case
+                self._book(records, reservation, purpose, e.kind, 0, 0, worst, time.monotonic() - t0,
+                           f"{e.message} (charged the worst case, ${worst:.6f}: the server may bill the reply)")
+                if not isinstance(e, LLMTimeout) or attempt > self.config.max_retries:
+                    raise self._failed(e, records)
+                self.ledger.sleep(self._wait_s(attempt - 1, e))
+                continue
+            except LLMError as e:  # a 4xx: refused, not billed
+                self._book(records, reservation, purpose, e.kind, 0, 0, 0.0, time.monotonic() - t0, e.message)
+                raise self._failed(e, records)
             latency = time.monotonic() - t0
-            cost = self.config.cost_usd(reply.input_tokens, reply.output_tokens)
+            if reply.input_tokens is None or reply.output_tokens is None:
+                inp, out, cost = 0, 0, worst
+                note = f"the reply states no token usage: charged its worst case, ${worst:.6f}"
+                self._warn_usage(note)
+            else:
+                inp, out, cost, note = reply.input_tokens, reply.output_tokens, self.config.cost_usd(
+                    reply.input_tokens, reply.output_tokens), ""
             if not reply.text.strip():
                 message = f"{self.name}: the answer has no text (finish_reason={reply.finish_reason!r})"
-                self._record(purpose, "bad_response", reply.input_tokens, reply.output_tokens, cost, latency, message)
-                raise BadResponse(message)
-            self._record(purpose, "ok", reply.input_tokens, reply.output_tokens, cost, latency, "")
-            return Completion(text=reply.text, model=self.name, input_tokens=reply.input_tokens,
-                              output_tokens=reply.output_tokens, cost_usd=cost,
-                              latency_s=time.monotonic() - start, attempts=attempt)
+                self._book(records, reservation, purpose, "bad_response", inp, out, cost, latency,
+                           message + (f"; {note}" if note else ""))
+                raise self._failed(BadResponse(message), records)
+            self._book(records, reservation, purpose, "ok", inp, out, cost, latency, note)
+            return Completion(text=reply.text, model=self.name, input_tokens=inp, output_tokens=out,
+                              cost_usd=sum(r.cost_usd for r in records), latency_s=time.monotonic() - start,
+                              attempts=attempt, records=tuple(records))
 
-    def _record(self, purpose: str, outcome: str, input_tokens: int, output_tokens: int, cost: float,
-                latency_s: float, message: str) -> None:
-        self.ledger.record(CallRecord(model=self.name, purpose=purpose, outcome=outcome, input_tokens=input_tokens,
-                                      output_tokens=output_tokens, cost_usd=cost, latency_s=latency_s, message=message))
+    def _attempt(self, reservation: Reservation, messages: list[Message], system: str, temperature: float,
+                 max_tokens: int) -> _Reply:
+        """One HTTP exchange on a worker thread, waited for until the deadline or the ledger's
+        close; the worker, abandoned, stops reading at its next chunk (or its own read timeout)
+        and hands back nothing anyone books."""
+        stop = reservation.abandoned
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["reply"] = self._send(messages, system, temperature, max_tokens, stop)
+            except LLMError as e:
+                box["error"] = e
+            except Exception as e:  # whatever else a broken reply provokes in the SDK or the parser
+                box["error"] = _Unusable(f"{self.name}: unusable reply: {type(e).__name__}: {e}"[:_ERROR_TEXT_CHARS])
+            finally:
+                done.set()
+
+        deadline = time.monotonic() + self.config.timeout_s
+        threading.Thread(target=work, name=f"cw-llm-call-{self.name}", daemon=True).start()
+        abandoned = f"{self.name}: abandoned in flight: {{}}"
+        while not done.wait(min(POLL_S, max(0.0, deadline - time.monotonic()))):
+            if stop.is_set():
+                raise Abandoned(abandoned.format(self.ledger.closed or "the call was cancelled"))
+            if time.monotonic() >= deadline:
+                stop.set()
+                raise LLMTimeout(f"{self.name}: no complete reply within timeout_s={self.config.timeout_s:g} s "
+                                 "(connect and every read together)")
+        if isinstance(box.get("error"), Abandoned):  # the worker saw the close first: the caller's reason
+            raise Abandoned(abandoned.format(self.ledger.closed or "the call was cancelled"))
+        if "error" in box:
+            raise box["error"]
+        return box["reply"]
+
+    def _book(self, records: list[CallRecord], reservation: Reservation | None, purpose: str, outcome: str,
+              input_tokens: int, output_tokens: int, cost: float, latency_s: float, message: str) -> None:
+        rec = CallRecord(model=self.name, purpose=purpose, outcome=outcome, input_tokens=input_tokens,
+                         output_tokens=output_tokens, cost_usd=cost, latency_s=latency_s, message=message)
+        if reservation is None:
+            self.ledger.record(rec)
+        elif not self.ledger.settle(reservation, rec):
+            return
+        records.append(rec)
+
+    @staticmethod
+    def _failed(error: LLMError, records: list[CallRecord]) -> LLMError:
+        error.records = tuple(records)
+        return error
+
+    def _warn_usage(self, note: str) -> None:
+        if not self._warned_usage:
+            self._warned_usage = True
+            warnings.warn(f"{self.name}: {note} (warned once per model; every such reply is charged so)",
+                          RuntimeWarning, stacklevel=3)
 
     def _wait_s(self, retry: int, error: LLMError) -> float:
         """Seconds before retry number `retry` (0 = the first): Retry-After if given, else backoff."""
@@ -125,8 +220,10 @@ class LLMClient(ABC):
         return min(self.config.backoff_s * 2 ** retry * self._rng.uniform(0.5, 1.5), MAX_BACKOFF_S)
 
     @abstractmethod
-    def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int) -> _Reply:
-        """One HTTP exchange; raises the LLMError matching a failure."""
+    def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int,
+              stop: threading.Event) -> _Reply:
+        """One HTTP exchange (on a worker thread; give up when `stop` is set); raises the
+        LLMError matching a failure."""
 
 
 def _import_sdk(name: str) -> ModuleType:
@@ -199,10 +296,79 @@ def _translate(sdk: ModuleType, error: Exception, name: str) -> LLMError:
     return BadResponse(f"{name}: unusable response: {error}"[:_ERROR_TEXT_CHARS])
 
 
-def _usage(usage: Any, input_field: str, output_field: str) -> tuple[int, int]:
-    if usage is None:  # some local servers omit it
-        return 0, 0
-    return int(getattr(usage, input_field, 0) or 0), int(getattr(usage, output_field, 0) or 0)
+def _read_body(response: Any, limit: int, stop: threading.Event, name: str) -> bytes:
+    """The reply's body, chunk by chunk as it arrives, refused past `limit` bytes (declared or
+    received) and given up when `stop` is set."""
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Unusable(f"{name}: the reply's body is {int(declared)} bytes, over max_reply_bytes={limit} "
+                        "(raise it in the model's config); not read")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        for chunk in response.iter_bytes():
+            if stop.is_set():
+                raise Abandoned(f"{name}: reading abandoned")
+            size += len(chunk)
+            if size > limit:
+                raise _Unusable(f"{name}: the reply's body passed max_reply_bytes={limit} "
+                                "(raise it in the model's config); not read further")
+            chunks.append(chunk)
+    except LLMError:
+        raise
+    except Exception as e:  # the HTTP library's errors (httpx or httpx2, whichever the SDK uses)
+        if any(c.__name__ == "TimeoutException" for c in type(e).__mro__):
+            raise LLMTimeout(f"{name}: the reply stopped arriving ({type(e).__name__})") from e
+        raise _Unusable(f"{name}: the reply's body was cut off after {size} bytes: {type(e).__name__}: {e}"
+                        [:_ERROR_TEXT_CHARS]) from e
+    return b"".join(chunks)
+
+
+def _json_body(body: bytes, name: str) -> dict[str, Any]:
+    """The body as a JSON object; _Unusable saying what it is instead (truncated, HTML, ...)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        head = body[:_HEAD_CHARS].decode("utf-8", "replace")
+        if head.lstrip().lower().startswith(("<!doctype", "<html")):
+            what = "an HTML page, not JSON"
+        elif isinstance(e, json.JSONDecodeError) and body.lstrip()[:1] in (b"{", b"["):
+            what = f"truncated or malformed JSON ({e.msg} at byte {e.pos})"
+        else:
+            what = "not JSON"
+        raise _Unusable(f"{name}: the reply's body ({len(body)} bytes) is {what}; it begins {head!r}") from None
+    if not isinstance(data, dict):
+        raise _Unusable(f"{name}: the reply's body is JSON but not an object: {type(data).__name__}")
+    error = data.get("error")
+    if error:
+        text = error.get("message", error) if isinstance(error, dict) else error
+        raise _Unusable(f"{name}: the reply carries an error: {text}"[:_ERROR_TEXT_CHARS])
+    return data
+
+
+def _count(value: Any, field: str, name: str) -> int:
+    """A token count from a reply's usage; _Unusable for a negative or non-integer one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        raise _Unusable(f"{name}: the reply's usage.{field} is {value!r}, not a token count >= 0")
+    return int(value)
+
+
+def _usage(data: dict[str, Any], input_field: str, output_field: str, max_tokens: int,
+           name: str) -> tuple[int | None, int | None]:
+    """(input, output) tokens of a reply's usage; (None, None) when it states none (some local
+    servers omit it); _Unusable when its counts are not counts, or more output than was allowed."""
+    usage = data.get("usage")
+    if usage is None or (isinstance(usage, dict) and input_field not in usage and output_field not in usage):
+        return None, None
+    if not isinstance(usage, dict):
+        raise _Unusable(f"{name}: the reply's usage is {usage!r}, not an object")
+    if usage.get(input_field) is None or usage.get(output_field) is None:
+        return None, None
+    inp = _count(usage[input_field], input_field, name)
+    out = _count(usage[output_field], output_field, name)
+    if out > max_tokens:
+        raise _Unusable(f"{name}: the reply's usage.{output_field}={out} is over the max_tokens={max_tokens} asked for")
+    return inp, out
 
 
 class OpenAIChatClient(LLMClient):
@@ -217,19 +383,28 @@ class OpenAIChatClient(LLMClient):
         official = base_url is None or "api.openai.com" in base_url
         self._max_tokens_param = "max_completion_tokens" if official else "max_tokens"
 
-    def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int) -> _Reply:
+    def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int,
+              stop: threading.Event) -> _Reply:
         chat = ([{"role": "system", "content": system}] if system else []) + [
             {"role": m.role, "content": m.content} for m in messages]
         try:
-            resp = self._client.chat.completions.create(model=self.config.model, messages=chat, temperature=temperature,
-                                                        **{self._max_tokens_param: max_tokens})
+            with self._client.chat.completions.with_streaming_response.create(
+                    model=self.config.model, messages=chat, temperature=temperature,
+                    **{self._max_tokens_param: max_tokens}) as response:
+                body = _read_body(response, self.config.max_reply_bytes, stop, self.name)
         except self._sdk.OpenAIError as e:
             raise _translate(self._sdk, e, self.name) from e
-        choices = getattr(resp, "choices", None)
-        if not choices or getattr(choices[0], "message", None) is None:
-            raise BadResponse(f"{self.name}: the response has no choices[0].message")
-        inp, out = _usage(getattr(resp, "usage", None), "prompt_tokens", "completion_tokens")
-        return _Reply(choices[0].message.content or "", inp, out, str(choices[0].finish_reason))
+        data = _json_body(body, self.name)
+        choices = data.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        message = first.get("message") if isinstance(first, dict) else None
+        if not isinstance(message, dict):
+            raise _Unusable(f"{self.name}: the reply has no choices[0].message")
+        text = message.get("content") or ""
+        if not isinstance(text, str):
+            raise _Unusable(f"{self.name}: the reply's choices[0].message.content is {type(text).__name__}, not text")
+        inp, out = _usage(data, "prompt_tokens", "completion_tokens", max_tokens, self.name)
+        return _Reply(text, inp, out, str(first.get("finish_reason")))
 
 
 class AnthropicClient(LLMClient):
@@ -242,20 +417,25 @@ class AnthropicClient(LLMClient):
         base_url, key = _connection(config)
         self._client = self._sdk.Anthropic(base_url=base_url, api_key=key, timeout=config.timeout_s, max_retries=0)
 
-    def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int) -> _Reply:
+    def _send(self, messages: list[Message], system: str, temperature: float, max_tokens: int,
+              stop: threading.Event) -> _Reply:
         kwargs: dict[str, Any] = {"system": system} if system else {}
         try:
-            resp = self._client.messages.create(model=self.config.model, max_tokens=max_tokens,
-                                                messages=[{"role": m.role, "content": m.content} for m in messages],
-                                                **kwargs)
+            with self._client.messages.with_streaming_response.create(
+                    model=self.config.model, max_tokens=max_tokens,
+                    messages=[{"role": m.role, "content": m.content} for m in messages], **kwargs) as response:
+                body = _read_body(response, self.config.max_reply_bytes, stop, self.name)
         except self._sdk.AnthropicError as e:
             raise _translate(self._sdk, e, self.name) from e
-        blocks = getattr(resp, "content", None)
-        if blocks is None:
-            raise BadResponse(f"{self.name}: the response has no content")
-        text = "".join(b.text for b in blocks if getattr(b, "type", None) == "text")
-        inp, out = _usage(getattr(resp, "usage", None), "input_tokens", "output_tokens")
-        return _Reply(text, inp, out, str(getattr(resp, "stop_reason", None)))
+        data = _json_body(body, self.name)
+        blocks = data.get("content")
+        if not isinstance(blocks, list):
+            raise _Unusable(f"{self.name}: the reply has no content blocks")
+        texts = [b.get("text") for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise _Unusable(f"{self.name}: a text block of the reply holds no text")
+        inp, out = _usage(data, "input_tokens", "output_tokens", max_tokens, self.name)
+        return _Reply("".join(texts), inp, out, str(data.get("stop_reason")))
 
 
 def client_for(config: ModelConfig, ledger: Ledger | None = None) -> LLMClient:

@@ -44,11 +44,14 @@ class ModelConfig:
     api_key_env: str | None = None  # env var holding the key; default OPENAI_API_KEY / ANTHROPIC_API_KEY
     input_usd_per_mtok: float = 0.0  # prices per million tokens (0 for a local server)
     output_usd_per_mtok: float = 0.0
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # one attempt's whole life: connect, send, every read of the reply
     max_retries: int = 4  # retries after 429 / 5xx / timeout, exponential backoff with jitter
     backoff_s: float = 1.0  # first backoff; tests set it tiny
     max_tokens: int = 8192
     temperature: float | None = None  # replaces the caller's (OpenAI-compatible; reasoning models accept only 1.0)
+    max_reply_bytes: int = 2 * 2**20  # a reply's body; a larger one is a bad_response, not read further
+    max_program_bytes: int = 256 * 2**10  # a program taken from a reply; a larger one is refused
+    max_prompt_bytes: int = 2**20  # system prompt + conversation, UTF-8; a larger one is not sent
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
@@ -68,13 +71,30 @@ class ModelConfig:
             raise ValueError(f"{where}: timeout_s must be > 0, got {self.timeout_s}")
         if self.max_retries < 0:
             raise ValueError(f"{where}: max_retries must be >= 0, got {self.max_retries}")
-        if self.max_tokens <= 0:
-            raise ValueError(f"{where}: max_tokens must be > 0, got {self.max_tokens}")
+        for key in ("max_tokens", "max_reply_bytes", "max_program_bytes", "max_prompt_bytes"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{where}: {key} must be > 0, got {getattr(self, key)}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"{where}: temperature must be >= 0, got {self.temperature}")
 
     def cost_usd(self, input_tokens: int, output_tokens: int) -> float:
         return (input_tokens * self.input_usd_per_mtok + output_tokens * self.output_usd_per_mtok) / 1e6
+
+    def worst_case_usd(self, prompt_bytes: int, messages: int, max_tokens: int) -> float:
+        """The most one attempt can cost: `max_tokens` out, and in the prompt's tokens bounded from
+        above (a token covers at least one byte of UTF-8 in byte-level tokenizers, plus each
+        message's chat-template tokens)."""
+        return self.cost_usd(prompt_tokens_bound(prompt_bytes, messages), max_tokens)
+
+
+#: chat-template tokens counted per message (role markers, separators) and per prompt
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+TEMPLATE_TOKENS_PER_PROMPT = 64
+
+
+def prompt_tokens_bound(prompt_bytes: int, messages: int) -> int:
+    """An upper bound on a prompt's input tokens, from its UTF-8 size and number of messages."""
+    return prompt_bytes + TEMPLATE_TOKENS_PER_MESSAGE * messages + TEMPLATE_TOKENS_PER_PROMPT
 
 
 #: the TOML type each ModelConfig field accepts (ints are fine where floats are expected)
@@ -82,6 +102,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "provider": (str,), "model": (str,), "base_url": (str,), "api_key_env": (str,),
     "input_usd_per_mtok": (int, float), "output_usd_per_mtok": (int, float), "timeout_s": (int, float),
     "max_retries": (int,), "backoff_s": (int, float), "max_tokens": (int,), "temperature": (int, float),
+    "max_reply_bytes": (int,), "max_program_bytes": (int,), "max_prompt_bytes": (int,),
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
 

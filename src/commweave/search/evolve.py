@@ -580,6 +580,8 @@ class Evolution:
         compiler = CompileAhead(self.compile_source, self.config.compile_workers)
         # one model call at a time per LLM island, beside the compiles
         self._llm_pool = ThreadPoolExecutor(self.config.llm_islands, "cw-llm") if self.llm is not None else None
+        if self.llm is not None:
+            self.ledger.reopen()  # a previous run() closed it
         try:
             running: dict[Future, tuple[_Pending, dict[str, Any], float]] = {}
             if not self.records:
@@ -652,6 +654,8 @@ class Evolution:
                 future.cancel()
             compiler.close()
             if self._llm_pool is not None:
+                # calls still in flight are abandoned now (each books itself), so the pool ends on time
+                self.ledger.close("the search run ended before the reply")
                 self._llm_pool.shutdown(wait=True, cancel_futures=True)
             self.db.set_meta(elapsed_s=self.elapsed_s(), stop_reason=self.stop_reason())
         return self.best

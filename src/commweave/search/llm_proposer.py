@@ -10,10 +10,12 @@ against the workload's space, followed by the patch:
 - `crossover`: the parent and a second good program combined into one full rewrite.
 
 An answer that cannot be used (no or bad JSON, invalid directives, a diff that does not apply,
-markers removed, edits outside the blocks, no code, a syntax error, no change) is sent back with
-the reason, at most `max_resamples` times; each one is recorded through `on_unusable`. A call
-that fails after the client's retries (429, 5xx, timeout) or the spent budget ends the proposal
-with that error's kind as its outcome: the search skips it, nothing raises.
+markers removed, edits outside the blocks, no code, a syntax error, no change, a program over the
+model's `max_program_bytes`) is sent back with the reason, at most `max_resamples` times; each one
+is recorded through `on_unusable`. A call that fails after the client's retries (429, 5xx,
+timeout), an unusable reply (bad_response), a prompt over the model's cap, the spent budget or a
+call abandoned at the end of the run ends the proposal with that error's kind as its outcome: the
+search skips it, nothing raises.
 
 The child's text is the parent's body with the patch applied, under a directive header naming the
 set the model stated (not a template rendering: the model may write code no template foresaw).
@@ -155,9 +157,9 @@ class LLMProposer:
             raise Malformed("invalid_directives", "the directive set is not valid here: " + "; ".join(why))
         return ds
 
-    def child(self, answer: str, request: Request) -> tuple[str, DirectiveSet]:
+    def child(self, answer: str, request: Request, max_program_bytes: int | None = None) -> tuple[str, DirectiveSet]:
         """The child program (directive header + patched body) and its directive set; Malformed
-        when the answer cannot be used."""
+        when the answer cannot be used (`max_program_bytes`: the model's cap on a program)."""
         ds = self.directives(answer, request.parent)
         body = program_body(request.parent.code)
         try:
@@ -166,6 +168,10 @@ class LLMProposer:
             raise Malformed(exc.kind, exc.message) from None
         if new == body:
             raise Malformed("unchanged", "the program is the parent's, unchanged; change the code your strategy needs")
+        size = len(new.encode())
+        if max_program_bytes is not None and size > max_program_bytes:
+            raise Malformed("too_large", f"the program is {size} bytes, over max_program_bytes={max_program_bytes} "
+                                         "(the model's config); write a shorter program")
         try:
             python_code(new, "<candidate>")
         except (SyntaxError, ValueError) as exc:
@@ -191,15 +197,18 @@ class LLMProposer:
                 completion = client.complete(messages, system=prompts.SYSTEM, temperature=request.temperature,
                                              purpose="propose")
             except LLMError as exc:
-                return LLMProposal(client.name, request.patch, exc.kind, None, None, cost, sample, exc.message, summary)
+                return LLMProposal(client.name, request.patch, exc.kind, None, None, cost + exc.cost_usd, sample,
+                                   exc.message, summary)
             cost += completion.cost_usd
+            cap = client.config.max_program_bytes
             try:
-                text, ds = self.child(completion.text, request)
+                text, ds = self.child(completion.text, request, cap)
             except Malformed as exc:
                 if self.on_unusable is not None:
                     self.on_unusable(client.name, f"malformed:{exc.kind}", exc.message)
                 message = f"{exc.kind}: {exc.message}"
-                messages += [Message("assistant", completion.text), Message("user", prompts.resample(exc.kind, exc.message))]
+                messages += [Message("assistant", _echo(completion.text, cap)),
+                             Message("user", prompts.resample(exc.kind, exc.message))]
                 continue
             return LLMProposal(client.name, request.patch, "ok", text, ds, cost, sample + 1, "", summary)
         return LLMProposal(client.name, request.patch, "malformed", None, None, cost, 1 + self.max_resamples, message,
@@ -210,6 +219,15 @@ class LLMProposer:
         completion = client.complete([Message("user", meta_prompt)], system=prompts.SYSTEM, temperature=0.3,
                                      purpose="meta")
         return completion.text.strip()
+
+
+def _echo(answer: str, limit: int) -> str:
+    """An unusable answer as sent back to the model: whole up to `limit` bytes, else its start (the
+    reason it failed goes with it), so resampling cannot grow the conversation without bound."""
+    data = answer.encode()
+    if len(data) <= limit:
+        return answer
+    return data[:limit].decode("utf-8", "ignore") + f"\n[... {len(data) - limit} more bytes of your answer not repeated]"
 
 
 class CallLog:
