@@ -24,6 +24,9 @@
 //   TACO_NSRC      messages the summing decompress adds (1..8)
 //   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks of 256 threads per SM each kernel's registers allow
 //   TACO_FWHT_SCALE  1/sqrt(G) rounded to FP32 (a hex literal)
+//   TACO_FETCH16   1: compress fetches 16-bit input's next item into shared memory, as FP32's
+//   TACO_TRANSPOSE 1: at G = 128, cross-lane butterflies and halvings in registers after an exchange
+//                  through shared memory (see "Transposed layout" below)
 //
 // Packed layout of one message (`quant.pack`): FP8 payload [groups * G] bytes, FP32 post-scales
 // [groups], FP32 pre-scales [groups] when TACO_DUAL. A work item is 1024 consecutive elements of one
@@ -454,17 +457,15 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // own_out (non-null, segments 1): the message also decompressed, from the values just quantized in
 // registers, into own_out (the input's type; own_vec: 16-byte stores allowed): an all-gather's own
 // part, bit for bit what taco_gather would make of the stored bytes, without reading them back.
-// FP32 input: a warp's next whole item is fetched into its shared inbox (cp.async, coalesced,
-// swizzled as the stage) while it compresses the current one, so the loads' latency hides behind
-// the arithmetic without holding registers (the compression takes ~120 of its 128). Same-run A/B on
-// an H200 (128 MiB, TACO defaults; bench/results/ab-taco-kernels-1gpu-20261201T044600Z.json): FP32
-// 154 -> 129 us; for 16-bit input the fetch was 5 % slower in an earlier A/B (126 -> 133 us), so
-// 16-bit input and partial items load straight into registers.
+// FP32 input (and 16-bit input with TACO_FETCH16): a warp's next whole item is fetched into its
+// shared inbox (cp.async, coalesced, swizzled as the stage) while it compresses the current one, so
+// the loads' latency hides behind the arithmetic without holding registers (the compression takes
+// ~120 of its 128); partial items load straight into registers. Measurements: taco/NOTES.md.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
               int vec, int skip, void* own_out_, int own_vec) {
   using T = typename Storage<TACO_IN>::T;
-  constexpr bool FETCH = sizeof(T) == 4;
+  constexpr bool FETCH = sizeof(T) == 4 || TACO_FETCH16;
   constexpr int LANE_BYTES = E * sizeof(T);  // a lane's input bytes
   constexpr int P = LANE_BYTES / 16;
   // 16-bit own_out goes out through a stage (coalesced); FP32's would not fit beside its inbox in
