@@ -11,7 +11,8 @@ For each size (MiB of BF16 handled by a call, 4-256 by default) this times, with
 - `torch.compile` of a plain per-group FP8 quantizer (absmax, scale, cast) and its dequantizer, the
   yardstick a user would write.
 A kernel's roofline time is its bytes (each input read once, each output written once) over the
-copy's rate at that size; the fraction reported is roofline time / measured time.
+copy's rate at that size; the fraction reported is roofline time / measured time. Each timed call
+(the copy's too) rotates over enough input sets that together they exceed twice the L2.
 
 Every kernel setting in `--tunings` (`cuda.Tuning`: persistent grid, 16-bit fetch, transposed
 layout) is timed in the same process, after checking that it writes the same bytes as the
@@ -25,13 +26,14 @@ Writes bench/results/taco-codec-1gpu-<stamp>.json (and .png with --plot).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from commweave.evaluate.timing import cuda_median_us
+from commweave.evaluate.timing import cuda_median_us, input_sets_for
 from commweave.report.results import write_results
 from commweave.taco import cuda, quant
 from commweave.taco.quant import QuantConfig
@@ -41,7 +43,7 @@ CONFIGS = {"defaults": QuantConfig(128), "plain": QuantConfig(128, hadamard=Fals
 TUNINGS = {
     "legacy": cuda.Tuning(persistent=False, fetch16=False, transpose=False),
     "persistent": cuda.Tuning(fetch16=False, transpose=False),
-    "fetch16": cuda.Tuning(transpose=False),
+    "fetch16": cuda.Tuning(fetch16=True, transpose=False),
     "default": cuda.Tuning(),
 }
 WORLDS = (2, 4)
@@ -78,23 +80,42 @@ def _messages(x: torch.Tensor, cfg: QuantConfig, count: int) -> list[quant.Compr
     return [cuda.compress(torch.roll(x, i * 4097) if i else x, cfg) for i in range(count)]
 
 
-def _kernels(x: torch.Tensor, cfg: QuantConfig) -> dict[str, tuple[callable, int, list[torch.Tensor]]]:
-    """name -> (call, bytes moved, what it writes) for every codec kernel timed on x."""
-    n = x.numel()
-    buf = torch.empty(cfg.wire_bytes(n), dtype=torch.uint8, device=x.device)
-    c = cuda.compress(x, cfg)
-    out = torch.empty_like(x)
-    calls = {"compress": (lambda: cuda.compress_into(x, cfg, buf), 2 * n + cfg.wire_bytes(n), [buf]),
-             "decompress": (lambda: cuda.gather_into([c], out), cfg.wire_bytes(n) + 2 * n, [out])}
-    for w in WORLDS:
-        parts = _messages(x.view(w, -1)[0].contiguous(), cfg, w)
-        gathered = torch.empty_like(x)
-        calls[f"gather{w}"] = (lambda p=parts, o=gathered: cuda.gather_into(p, o), w * cfg.wire_bytes(n // w) + 2 * n,
-                               [gathered])
-        full = _messages(x, cfg, w)
-        summed = torch.empty_like(x)
-        calls[f"sum{w}"] = (lambda p=full, o=summed: cuda.sum_into(p, o), w * cfg.wire_bytes(n) + 2 * n, [summed])
+def _kernels(xs: list[torch.Tensor], cfg: QuantConfig) -> dict[str, tuple[list, int, list[torch.Tensor]]]:
+    """name -> (one call per input set in xs, bytes a call moves, what set 0's call writes) for every
+    codec kernel timed; the timer rotates over the sets, so no call finds its data in L2."""
+    n = xs[0].numel()
+    calls: dict[str, tuple[list, int, list[torch.Tensor]]] = {}
+
+    def add(name: str, call, moved: int, outs: list[torch.Tensor]) -> None:
+        entry = calls.setdefault(name, ([], moved, outs))
+        entry[0].append(call)
+
+    for x in xs:
+        buf = torch.empty(cfg.wire_bytes(n), dtype=torch.uint8, device=x.device)
+        c = cuda.compress(x, cfg)
+        out = torch.empty_like(x)
+        add("compress", lambda x=x, b=buf: cuda.compress_into(x, cfg, b), 2 * n + cfg.wire_bytes(n), [buf])
+        add("decompress", lambda c=c, o=out: cuda.gather_into([c], o), cfg.wire_bytes(n) + 2 * n, [out])
+        for w in WORLDS:
+            parts = _messages(x.view(w, -1)[0].contiguous(), cfg, w)
+            gathered = torch.empty_like(x)
+            add(f"gather{w}", lambda p=parts, o=gathered: cuda.gather_into(p, o), w * cfg.wire_bytes(n // w) + 2 * n,
+                [gathered])
+            full = _messages(x, cfg, w)
+            summed = torch.empty_like(x)
+            add(f"sum{w}", lambda p=full, o=summed: cuda.sum_into(p, o), w * cfg.wire_bytes(n) + 2 * n, [summed])
     return calls
+
+
+def _rotating(calls: list) -> callable:
+    """One call per invocation, cycling through the input sets."""
+    state = itertools.cycle(calls)
+    return lambda: next(state)()
+
+
+def _sets(mib: int) -> int:
+    """Input sets rotated at this size: together past twice the L2 (the largest kernel's set: sum4)."""
+    return input_sets_for(mib * MIB * 4)
 
 
 def _check_reference(tuning: str) -> list[str]:
@@ -137,11 +158,11 @@ def main() -> None:
             x = torch.randn(mib * MIB // 2, device="cuda").to(torch.bfloat16)
             for tuning in args.tunings:
                 cuda.set_tuning(TUNINGS[tuning])
-                built = [_kernels(x, cfg) for cfg in CONFIGS.values()]  # 13 setup launches per config
+                built = [_kernels([x], cfg) for cfg in CONFIGS.values()]  # 13 setup launches per config
                 torch.cuda.synchronize()
                 for kernels in built:
-                    for kname, (call, _, _) in kernels.items():
-                        call()
+                    for kname, (calls, _, _) in kernels.items():
+                        calls[0]()
         torch.cuda.synchronize()
         return
     failures = []
@@ -154,20 +175,24 @@ def main() -> None:
     compiled_dq = torch.compile(plain_dequantize)
     rows = []
     for mib in args.sizes:
-        x = torch.randn(mib * MIB // 2, device="cuda").to(torch.bfloat16)
-        n = x.numel()
-        dst = torch.empty_like(x)
-        copy_us = cuda_median_us(lambda: dst.copy_(x), args.iters)
+        sets = _sets(mib)
+        xs = [torch.randn(mib * MIB // 2, device="cuda").to(torch.bfloat16) for _ in range(sets)]
+        n = xs[0].numel()
+        dsts = [torch.empty_like(x) for x in xs]
+        copy_us = cuda_median_us(_rotating([lambda x=x, d=d: d.copy_(x) for x, d in zip(xs, dsts)]), args.iters)
+        del dsts
         rate = 2 * n * 2 / copy_us / 1e3  # GB/s, bytes read + written
-        q, s = compiled_q(x)
-        y = compiled_dq(q, s)
-        base = {"MiB": mib, "copy_us": copy_us, "copy_GBps": rate}
-        for what, call, moved in (("torch.compile quantize", lambda: compiled_q(x), 2 * n + n + 4 * (n // 128)),
-                                  ("torch.compile dequantize", lambda: compiled_dq(q, s), n + 4 * (n // 128) + 2 * n)):
-            us = cuda_median_us(call, args.iters)
+        quantized = [compiled_q(x) for x in xs]
+        compiled_dq(*quantized[0])
+        base = {"MiB": mib, "input_sets": sets, "copy_us": copy_us, "copy_GBps": rate}
+        for what, calls, moved in (("torch.compile quantize", [lambda x=x: compiled_q(x) for x in xs],
+                                    2 * n + n + 4 * (n // 128)),
+                                   ("torch.compile dequantize", [lambda qs=qs: compiled_dq(*qs) for qs in quantized],
+                                    n + 4 * (n // 128) + 2 * n)):
+            us = cuda_median_us(_rotating(calls), args.iters)
             rows.append({**base, "tuning": "-", "config": "plain per-group", "kernel": what, "us": us, "bytes": moved,
                          "roofline_fraction": moved / rate / 1e3 / us})
-        del y
+        del quantized
         first_bytes: dict[tuple[str, str], list[torch.Tensor]] = {}
         times: dict[tuple[str, str, str], list[float]] = {}
         moved_of: dict[tuple[str, str], int] = {}
@@ -175,8 +200,8 @@ def main() -> None:
             for tuning in args.tunings:
                 cuda.set_tuning(TUNINGS[tuning])
                 for cname, cfg in CONFIGS.items():
-                    for kname, (call, moved, outs) in _kernels(x, cfg).items():
-                        call()
+                    for kname, (calls, moved, outs) in _kernels(xs, cfg).items():
+                        calls[0]()
                         key = (cname, kname)
                         moved_of[key] = moved
                         if rep == 0:
@@ -185,20 +210,22 @@ def main() -> None:
                             elif not all(torch.equal(a, b) for a, b in zip(first_bytes[key], outs)):
                                 sys.exit(f"{tuning} {cname} {kname} at {mib} MiB writes other bytes than "
                                          f"{args.tunings[0]}")
-                        times.setdefault((tuning, cname, kname), []).append(cuda_median_us(call, args.iters))
+                        times.setdefault((tuning, cname, kname), []).append(
+                            cuda_median_us(_rotating(calls), args.iters))
         for (tuning, cname, kname), ts in times.items():
             us = sorted(ts)[len(ts) // 2]
             moved = moved_of[(cname, kname)]
             rows.append({**base, "tuning": tuning, "config": cname, "kernel": kname, "us": us, "us_reps": ts,
                          "bytes": moved, "roofline_fraction": moved / rate / 1e3 / us})
-        del x, dst
+        del xs
         torch.cuda.empty_cache()
         for r in rows:
             if r["MiB"] == mib:
                 print(f"{mib:4d} MiB copy {rate:6.0f} GB/s | {r['tuning']:10s} {r['config']:16s} {r['kernel']:25s} "
                       f"{r['us']:8.1f} us  {r['roofline_fraction']:.2f} of roofline")
     payload = {"note": "one H200: BF16, G=128, E4M3; roofline = bytes read+written / the copy's rate at the same "
-                       "size in this process; gather W: W messages of size/W into one output of size; sum W: W "
+                       "size in this process; every timed call (copy too) rotates over input_sets sets (together "
+                       "past twice the L2); gather W: W messages of size/W into one output of size; sum W: W "
                        "messages of size each", "rows": rows}
     path = write_results("taco-codec-1gpu", payload, command=["python", "bench/taco_codec.py", *sys.argv[1:]],
                          out_dir=args.out_dir)

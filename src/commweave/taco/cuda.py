@@ -39,8 +39,8 @@ MAX_SOURCES = 8  # `Sources` in the .cu
 THREADS = 256
 # register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
 # fewer registers; measured with bench/probe_taco_kernels.py: compress is fastest at 2 and spills
-# at 3, gather is as fast at 2, 3 or 4)
-MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 4, "sum": 2}
+# at 3, gather is as fast at 2, 3 or 4; the transposed layout's gather spills at 4)
+MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 3, "sum": 2}
 _KERNEL_BUDGET = {"taco_compress": "compress", "taco_gather": "gather", "taco_sum": "sum", "taco_sum_compress": "sum"}
 
 
@@ -54,13 +54,13 @@ class Tuning:
       for a second wave and a message of 4-64 MiB is not a few short waves of one item per warp;
       False: up to `legacy_blocks_per_sm` blocks per SM (one item per warp below ~32 MiB).
     fetch16: compress also fetches 16-bit input's next item into shared memory (cp.async) while it
-      compresses the current one, as it always does for FP32 input.
+      compresses the current one, as it always does for FP32 input (off: slower on an H200, NOTES.md).
     transpose: G = 128 only: the cross-lane Hadamard stages and the RMS's cross-lane halvings run in
       registers after an exchange through shared memory (a lane then holds elements of all four of its
       group's lanes) instead of one warp shuffle per element and stage."""
 
     persistent: bool = True
-    fetch16: bool = True
+    fetch16: bool = False
     transpose: bool = True
     legacy_blocks_per_sm: int = 8
 

@@ -247,6 +247,168 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
   for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], FWHT_SCALE);
 }
 
+// -- Transposed layout (TACO_TRANSPOSE, G = 128 with the Hadamard transform on) -------------------
+// Layout N (the default): lane j of a group (j = lane % 4) holds elements 32 j + r in register r.
+// Layout T: register 16 h + 4 k + i holds element 32 k + 16 h + 4 j + i (k < 4, h < 2, i < 4), so
+// the butterflies of strides 32 and 64 (k's bits) pair registers of one lane. N -> T and back go
+// through 2 KiB of the warp's shared memory in two rounds (h), 4 16-byte stores and 4 16-byte loads a
+// round: 16 instructions instead of 2 x 32 shuffles and 2 x 32 FMAs for the two cross-lane stages.
+// A lane's 64-byte stretch holds its chunks q at slot q ^ ((lane / 2) % 4): the stores are free of
+// bank conflicts, the loads conflict two ways. Every value is only moved: the bits are the reference's.
+#if TACO_TRANSPOSE && G == 128 && TACO_HADAMARD == 1
+constexpr bool CAN_TRANSPOSE = true;
+#else
+constexpr bool CAN_TRANSPOSE = false;
+#endif
+
+__device__ __forceinline__ float* xpose_slot(float* scratch, int owner, int q) {
+  return scratch + 16 * owner + 4 * (q ^ ((owner >> 1) & 3));
+}
+
+// N -> T in place (round h: registers 16 h .. 16 h + 15 out, the same registers back).
+__device__ __forceinline__ void to_transposed(float (&v)[E], float* scratch, int lane) {
+  const int j = lane & 3, base = lane & ~3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      *reinterpret_cast<float4*>(xpose_slot(scratch, lane, q)) =
+          make_float4(v[16 * h + 4 * q], v[16 * h + 4 * q + 1], v[16 * h + 4 * q + 2], v[16 * h + 4 * q + 3]);
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 f = *reinterpret_cast<const float4*>(xpose_slot(scratch, base + k, j));
+      v[16 * h + 4 * k] = f.x;
+      v[16 * h + 4 * k + 1] = f.y;
+      v[16 * h + 4 * k + 2] = f.z;
+      v[16 * h + 4 * k + 3] = f.w;
+    }
+    __syncwarp();
+  }
+}
+
+// T -> N in place.
+__device__ __forceinline__ void from_transposed(float (&v)[E], float* scratch, int lane) {
+  const int j = lane & 3, base = lane & ~3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      *reinterpret_cast<float4*>(xpose_slot(scratch, base + k, j)) =
+          make_float4(v[16 * h + 4 * k], v[16 * h + 4 * k + 1], v[16 * h + 4 * k + 2], v[16 * h + 4 * k + 3]);
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(xpose_slot(scratch, lane, q));
+      v[16 * h + 4 * q] = f.x;
+      v[16 * h + 4 * q + 1] = f.y;
+      v[16 * h + 4 * q + 2] = f.z;
+      v[16 * h + 4 * q + 3] = f.w;
+    }
+    __syncwarp();
+  }
+}
+
+// quant.fwht of a group in layout N, result in layout T: strides 1..16 in registers, the exchange,
+// strides 32 and 64 in registers, the one scaling.
+__device__ __forceinline__ void group_fwht_transposed(float (&v)[E], float* scratch, int lane) {
+#pragma unroll
+  for (int h = 1; h < E; h <<= 1)
+#pragma unroll
+    for (int r = 0; r < E; ++r)
+      if (!(r & h)) {
+        const float a = v[r], b = v[r + h];
+        v[r] = __fadd_rn(a, b);
+        v[r + h] = __fsub_rn(a, b);
+      }
+  to_transposed(v, scratch, lane);
+#pragma unroll
+  for (int kb = 1; kb < 4; kb <<= 1)  // stride 32 (k's bit 0), then 64 (k's bit 1)
+#pragma unroll
+    for (int r = 0; r < E; ++r)
+      if (!((r >> 2) & kb)) {
+        const float a = v[r], b = v[r + 4 * kb];
+        v[r] = __fadd_rn(a, b);
+        v[r + 4 * kb] = __fsub_rn(a, b);
+      }
+#pragma unroll
+  for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], FWHT_SCALE);
+}
+
+// Element offset (from the item's first) of register r of this lane in layout T.
+__device__ __forceinline__ int transposed_offset(int lane, int r) {
+  return 128 * (lane >> 2) + 32 * ((r >> 2) & 3) + 16 * (r >> 4) + 4 * (lane & 3) + (r & 3);
+}
+
+// This lane's E values in layout T (an item's elements item_first ..) into out: a whole item through
+// the warp's stage (runs of 4 values, run 8 k + 4 h + j of group row g at run slot (8 k + 4 h + j) ^
+// 4 g: conflict-free stores; then coalesced 16-byte chunks) when `vec`, else run by run.
+template <int CODE>
+__device__ __forceinline__ void store_item_transposed(typename Storage<CODE>::T* out, const float (&v)[E],
+                                                      uint8_t* stage, long long item_first, long long numel, bool vec,
+                                                      int lane) {
+  using T = typename Storage<CODE>::T;
+  constexpr int RUN = 4 * sizeof(T), ROW = 32 * RUN, CHUNKS = ITEM * sizeof(T) / 16, ROW_CHUNKS = ROW / 16;
+  const int g = lane >> 2;
+  if (vec && item_first + ITEM <= numel) {  // warp-uniform
+#pragma unroll
+    for (int r = 0; r < E; r += 4) {
+      const int u = 8 * ((r >> 2) & 3) + 4 * (r >> 4) + (lane & 3);
+      uint8_t* dst = stage + g * ROW + RUN * (u ^ (g << 2));
+      if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(v[r], v[r + 1], v[r + 2], v[r + 3]);
+      } else {
+        Chunk<T> c;  // 8 of them; the first 4 used
+#pragma unroll
+        for (int t = 0; t < 4; ++t) c.v[t] = from_float<CODE>(v[r + t]);
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(&c);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < CHUNKS / 32; ++k) {
+      const int c = 32 * k + lane, row = c / ROW_CHUNKS, m = c % ROW_CHUNKS;
+      reinterpret_cast<uint4*>(out + item_first)[c] =
+          *reinterpret_cast<const uint4*>(stage + row * ROW + 16 * (m ^ ((row << 2) * (int)sizeof(T) / 4)));
+    }
+    __syncwarp();
+  } else {
+#pragma unroll
+    for (int r = 0; r < E; ++r) {
+      const long long at = item_first + transposed_offset(lane, r);
+      if (at < numel) out[at] = from_float<CODE>(v[r]);
+    }
+  }
+}
+
+// This lane's E values in layout T of an item of raw elements (a reduce-scatter's own chunk): runs of
+// 4 (8- or 16-byte loads where `vec` allows), zero past numel.
+template <typename T>
+__device__ __forceinline__ void load_lane_transposed(const T* base, long long item_first, long long numel, bool vec,
+                                                     float (&v)[E], int lane) {
+#pragma unroll
+  for (int r = 0; r < E; r += 4) {
+    const long long at = item_first + transposed_offset(lane, r);
+    if (vec && at + 4 <= numel) {
+      if constexpr (sizeof(T) == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(base + at);
+        v[r] = f.x;
+        v[r + 1] = f.y;
+        v[r + 2] = f.z;
+        v[r + 3] = f.w;
+      } else {
+        const uint2 raw = *reinterpret_cast<const uint2*>(base + at);
+        const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[r + k] = to_float(t[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[r + k] = at + k < numel ? to_float(base[at + k]) : 0.0f;
+    }
+  }
+}
+
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
 __device__ __forceinline__ float group_rms(const float (&v)[E], int lane) {
   const float absmax = group_absmax(v);
@@ -311,8 +473,12 @@ __device__ __forceinline__ void cast_transform_input(float (&v)[E]) {
 #endif
 }
 
-// One group (this lane's part): v (the input, FP32) -> payload bytes q, post-scale, pre-scale.
-__device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre) {
+// One group (this lane's part): v (the input, FP32, layout N) -> payload bytes q, post-scale,
+// pre-scale. X (CAN_TRANSPOSE only): the transform through `scratch`, q in layout T (word 4 h + k:
+// elements 32 k + 16 h + 4 j ..).
+template <bool X = false>
+__device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre,
+                                               float* scratch = nullptr) {
   pre = 1.0f;
 #if TACO_DUAL
   pre = group_rms(v, lane);
@@ -324,7 +490,8 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
   scale = group_quantize(v, q);
 #elif TACO_HADAMARD == 1
   cast_transform_input(v);
-  group_fwht(v, lane);  // in place: the untransformed values are not needed again
+  if constexpr (X) group_fwht_transposed(v, scratch, lane);
+  else group_fwht(v, lane);  // in place: the untransformed values are not needed again
   scale = group_quantize(v, q);
 #else
   float y[E];
@@ -352,8 +519,12 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
 #endif
 }
 
-// One group (this lane's part) back to FP32: quant.decompress before its final cast.
-__device__ __forceinline__ void decompress_group(const Payload& p, float scale, float pre, int lane, float (&v)[E]) {
+// One group (this lane's part) back to FP32: quant.decompress before its final cast. X
+// (CAN_TRANSPOSE only): the transform through `scratch`, v in layout T; QT: p is in layout T (what
+// compress_group<true> made), else N.
+template <bool X = false, bool QT = false>
+__device__ __forceinline__ void decompress_group(const Payload& p, float scale, float pre, int lane, float (&v)[E],
+                                                 float* scratch = nullptr) {
   const float s = TACO_HADAMARD == 2 ? fabsf(scale) : scale;
 #pragma unroll
   for (int r = 0; r < E; r += 2) {  // two FP8 values a conversion
@@ -363,7 +534,12 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
     v[r + 1] = __fmul_rn(f.y, s);
   }
 #if TACO_HADAMARD == 1
-  group_fwht(v, lane);
+  if constexpr (X) {
+    if constexpr (QT) from_transposed(v, scratch, lane);
+    group_fwht_transposed(v, scratch, lane);
+  } else {
+    group_fwht(v, lane);
+  }
 #elif TACO_HADAMARD == 2
   if (__any_sync(FULL, scale < 0.0f)) {  // warp-uniform: some group of this warp was transformed
     float t[E];
@@ -384,17 +560,42 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 // packed message at `payload` (groups past the message's end are dropped): a whole item's payload
 // through the warp's stage (coalesced), else lane by lane; the first lane of a group its scales.
 // q, scale, pre: what was stored (for a caller that also decompresses it).
+// X: compress_group<true> (scratch: 2 KiB of the warp's shared memory), q in layout T, its words
+// staged at word slot (8 k + 4 h + j) ^ 4 g of group row g (conflict-free), read back as 16-byte
+// chunks.
+template <bool X = false>
 __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t* stage, uint8_t* payload,
                                                long long groups, long long item_first, Payload& q, float& scale,
-                                               float& pre) {
-  compress_group(v, lane, q, scale, pre);
-  const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+                                               float& pre, float* scratch = nullptr) {
+  compress_group<X>(v, lane, q, scale, pre, scratch);
   const long long first = item_first + lane * E, group = first / G;
-  if (item_first + ITEM <= groups * G) {  // warp-uniform
-    store_staged<E>(stage, pieces, payload + item_first, lane);
-  } else if (group < groups) {
-    reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
-    reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+  if constexpr (X) {
+    const int g = lane >> 2, j = lane & 3;
+    if (item_first + ITEM <= groups * G) {  // warp-uniform
+#pragma unroll
+      for (int w = 0; w < E / 4; ++w)  // word w = 4 h + k
+        reinterpret_cast<uint32_t*>(stage + 128 * g)[(8 * (w & 3) + 4 * (w >> 2) + j) ^ (g << 2)] = q.w[w];
+      __syncwarp();
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int c = 32 * k + lane, row = c >> 3;
+        reinterpret_cast<uint4*>(payload + item_first)[c] =
+            *reinterpret_cast<const uint4*>(stage + 128 * row + 16 * ((c & 7) ^ row));
+      }
+      __syncwarp();
+    } else if (group < groups) {
+#pragma unroll
+      for (int w = 0; w < E / 4; ++w)
+        *reinterpret_cast<uint32_t*>(payload + item_first + transposed_offset(lane, 4 * w)) = q.w[w];
+    }
+  } else {
+    const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+    if (item_first + ITEM <= groups * G) {  // warp-uniform
+      store_staged<E>(stage, pieces, payload + item_first, lane);
+    } else if (group < groups) {
+      reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
+      reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+    }
   }
   if (group < groups && lane % LANES == 0) {
     float* scales = reinterpret_cast<float*>(payload + groups * G);
@@ -471,6 +672,8 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   // 16-bit own_out goes out through a stage (coalesced); FP32's would not fit beside its inbox in
   // 48 KiB of static shared memory, so FP32 stores lane by lane (slower, still exact)
   constexpr bool STAGE_OUT = sizeof(T) == 2;
+  // the transposed layout's exchange uses the own_out stage (2 KiB a warp: 16-bit input only)
+  constexpr bool X = CAN_TRANSPOSE && STAGE_OUT;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   __shared__ __align__(16) uint8_t inbox[8][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
   __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? 32 * LANE_BYTES : 16];  // a warp's own_out bytes
@@ -520,10 +723,12 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
     if (next < items && fetched(next)) prefetch(next);
     Payload q;
     float scale, pre;
-    compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre);
+    float* scratch = reinterpret_cast<float*>(out_stage[warp]);
+    compress_store<X>(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre, scratch);
     if (own_out != nullptr) {  // grid-uniform
-      decompress_group(q, scale, pre, lane, v);
-      store_item<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, STAGE_OUT, lane);
+      decompress_group<X, X>(q, scale, pre, lane, v, scratch);
+      if constexpr (X) store_item_transposed<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, lane);
+      else store_item<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, STAGE_OUT, lane);
     }
     item = next;
   }
@@ -586,6 +791,9 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   T* out = static_cast<T*>(out_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
   uint8_t* my_stage = stage[warp];
+  // layout T: the stage (>= 2 KiB a warp) is the exchange's scratch; every value (acc too) in layout T
+  constexpr bool X = CAN_TRANSPOSE;
+  float* scratch = reinterpret_cast<float*>(my_stage);
   const long long groups = (numel + G - 1) / G;
   const long long per_message = (numel + ITEM - 1) / ITEM;
   const int n_read = !SUM && own >= 0 ? n_src - 1 : n_src;  // messages read (gather: all but `own`)
@@ -620,28 +828,41 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     const long long first = item_first + lane * E;
     float v[E];
     if (SUM && i == own) {  // warp-uniform
-      load_lane(reinterpret_cast<const T*>(src.ptr[i]) + first, first, numel, vec, v);
+      if constexpr (X) {
+        load_lane_transposed(reinterpret_cast<const T*>(src.ptr[i]), item_first, numel, vec, v, lane);
+      } else {
+        load_lane(reinterpret_cast<const T*>(src.ptr[i]) + first, first, numel, vec, v);
+      }
     } else {
       uint4 mine[2] = {cur.raw[0], cur.raw[1]};
       if (item_first + ITEM <= groups * G) unstage<E>(my_stage, cur.raw, mine, lane);  // warp-uniform
       const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
-      decompress_group(p, cur.scale, cur.pre, lane, v);
+      decompress_group<X>(p, cur.scale, cur.pre, lane, v, scratch);
     }
 #pragma unroll
     for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
     if (REQUANTIZE && i == STEPS - 1) {
       // quant: the sum cast to the dtype (padding past numel is zero, as compress pads), compressed
+      if constexpr (X) from_transposed(acc, scratch, lane);  // compression starts from layout N
 #pragma unroll
       for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(from_float<TACO_OUT>(acc[r])) : 0.0f;
       Payload q;
       float scale, pre;
-      compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre);
+      compress_store<X>(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre, scratch);
       if (own_out_ != nullptr) {  // grid-uniform
-        decompress_group(q, scale, pre, lane, acc);
-        store_item<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, true, lane);
+        decompress_group<X, X>(q, scale, pre, lane, acc, scratch);
+        if constexpr (X) {
+          store_item_transposed<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, lane);
+        } else {
+          store_item<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, true, lane);
+        }
       }
     } else if (i == STEPS - 1) {
-      store_item<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, true, lane);
+      if constexpr (X) {
+        store_item_transposed<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, lane);
+      } else {
+        store_item<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, true, lane);
+      }
     }
     item = next_item;
     i = next_i;
