@@ -409,8 +409,33 @@ __device__ __forceinline__ void load_lane_transposed(const T* base, long long it
   }
 }
 
+// quant._pairwise_sum of the group, s in layout N, through layout T (X: CAN_TRANSPOSE): halves 64,
+// 32 and 16 (k's bits, h) in registers, 8 and 4 (j's bits) across lanes on 4 values, 2 and 1 in
+// registers; 8 shuffles instead of 26 and the 48 selects of the split cross-lane halvings.
+__device__ __forceinline__ float group_pairwise_sum_transposed(float (&s)[E], float* scratch, int lane) {
+  to_transposed(s, scratch, lane);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) s[16 * h + r] = __fadd_rn(s[16 * h + r], s[16 * h + r + 8]);  // half 64
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[16 * h + i] = __fadd_rn(s[16 * h + i], s[16 * h + 4 + i]);  // half 32
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[i] = __fadd_rn(s[i], s[16 + i]);  // half 16
+#pragma unroll
+  for (int m = 2; m >= 1; m >>= 1)  // halves 8 and 4: lanes 2, then 1 apart (both get the sum)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = __fadd_rn(s[i], __shfl_xor_sync(FULL, s[i], m));
+  return __fadd_rn(__fadd_rn(s[0], s[2]), __fadd_rn(s[1], s[3]));  // halves 2, 1
+}
+
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
-__device__ __forceinline__ float group_rms(const float (&v)[E], int lane) {
+// Division by G (a power of two) is the exact multiplication by 1/G: the same real quotient,
+// rounded once either way.
+template <bool X = false>
+__device__ __forceinline__ float group_rms(const float (&v)[E], int lane, float* scratch = nullptr) {
   const float absmax = group_absmax(v);
   const float safe = absmax > 0.0f ? fmaxf(absmax, TINY) : 1.0f;
   const float inv = __frcp_rn(safe);
@@ -420,7 +445,10 @@ __device__ __forceinline__ float group_rms(const float (&v)[E], int lane) {
     const float t = __fmul_rn(v[r], inv);
     s[r] = __fmul_rn(t, t);
   }
-  const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(group_pairwise_sum(s, lane), (float)G)));
+  float sum;
+  if constexpr (X) sum = group_pairwise_sum_transposed(s, scratch, lane);
+  else sum = group_pairwise_sum(s, lane);
+  const float rms = __fmul_rn(safe, __fsqrt_rn(__fmul_rn(sum, 1.0f / G)));
   return rms > 0.0f ? fmaxf(rms, TINY) : safe;
 }
 
@@ -476,12 +504,13 @@ __device__ __forceinline__ void cast_transform_input(float (&v)[E]) {
 // One group (this lane's part): v (the input, FP32, layout N) -> payload bytes q, post-scale,
 // pre-scale. X (CAN_TRANSPOSE only): the transform through `scratch`, q in layout T (word 4 h + k:
 // elements 32 k + 16 h + 4 j ..).
-template <bool X = false>
+// XR (with X): the RMS's pairwise sum through layout T too (off where it costs spills: sum-compress).
+template <bool X = false, bool XR = X>
 __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre,
                                                float* scratch = nullptr) {
   pre = 1.0f;
 #if TACO_DUAL
-  pre = group_rms(v, lane);
+  pre = group_rms<X && XR>(v, lane, scratch);
   const float inv_pre = __frcp_rn(pre);
 #pragma unroll
   for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], inv_pre);
@@ -563,11 +592,11 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 // X: compress_group<true> (scratch: 2 KiB of the warp's shared memory), q in layout T, its words
 // staged at word slot (8 k + 4 h + j) ^ 4 g of group row g (conflict-free), read back as 16-byte
 // chunks.
-template <bool X = false>
+template <bool X = false, bool XR = X>
 __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t* stage, uint8_t* payload,
                                                long long groups, long long item_first, Payload& q, float& scale,
                                                float& pre, float* scratch = nullptr) {
-  compress_group<X>(v, lane, q, scale, pre, scratch);
+  compress_group<X, XR>(v, lane, q, scale, pre, scratch);
   const long long first = item_first + lane * E, group = first / G;
   if constexpr (X) {
     const int g = lane >> 2, j = lane & 3;
@@ -604,6 +633,15 @@ __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t*
     scales[groups + group] = pre;
 #endif
   }
+}
+
+// a / b for the kernels' item arithmetic (a >= 0, b >= 1, warp-uniform): nothing for b = 1, 32-bit
+// unsigned division while both fit (a 64-bit division is a ~60-instruction call, and compress and
+// gather did one to three an item), else 64-bit.
+__device__ __forceinline__ long long item_div(long long a, long long b) {
+  if (b == 1) return a;
+  if (a <= 0xffffffffLL && b <= 0xffffffffLL) return (unsigned)a / (unsigned)b;
+  return a / b;
 }
 
 // -- kernels -------------------------------------------------------------------------------------
@@ -685,10 +723,13 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   const long long items = per_segment * segments;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   // items of the skipped segment are never visited (warp-uniform)
-  auto skipped = [&](long long item) { return item < items && item / per_segment == skip; };
-  auto fetched = [&](long long item) { return FETCH && vec && (item % per_segment + 1) * ITEM <= numel; };
+  auto seg_of = [&](long long item) { return segments == 1 ? 0LL : item_div(item, per_segment); };
+  auto skipped = [&](long long item) { return skip >= 0 && item < items && seg_of(item) == skip; };
+  auto fetched = [&](long long item) {
+    return FETCH && vec && (item - seg_of(item) * per_segment + 1) * ITEM <= numel;
+  };
   auto prefetch = [&](long long item) {  // the item's input, chunk c = 32 k + lane to its stage slot
-    const long long seg = item / per_segment;
+    const long long seg = seg_of(item);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(x + seg * x_stride + (item - seg * per_segment) * ITEM);
 #pragma unroll
     for (int k = 0; k < P; ++k) {
@@ -701,7 +742,7 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   while (skipped(item)) item += warps;
   if (item < items && fetched(item)) prefetch(item);
   while (item < items) {
-    const long long seg = item / per_segment;
+    const long long seg = seg_of(item);
     const long long item_first = (item - seg * per_segment) * ITEM, first = item_first + lane * E;
     float v[E];
     if (fetched(item)) {  // warp-uniform
@@ -800,15 +841,15 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   const long long items = SUM ? per_message : per_message * n_read;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   // step (item, i): message p = SUM ? i : message(item % n_read), elements from
-  // (SUM ? item : item / n_read) * ITEM
+  // (SUM ? item : item / n_read) * ITEM (item_div: no 64-bit division)
   auto message = [&](long long item) {
-    const int k = (int)(item % n_read);
+    const int k = (int)(item - item_div(item, n_read) * n_read);
     return own >= 0 && k >= own ? k + 1 : k;
   };
   auto fetch = [&](long long item, int i) {
     if (SUM && i == own) return LaneData{};  // raw elements: loaded where they are used
     const int p = SUM ? i : message(item);
-    const long long item_first = (SUM ? item : item / n_read) * ITEM;
+    const long long item_first = (SUM ? item : item_div(item, n_read)) * ITEM;
     return load_message(reinterpret_cast<const uint8_t*>(src.ptr[p]), groups, item_first,
                         item_first + ITEM <= groups * G, lane);
   };
@@ -824,7 +865,7 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     LaneData next{};
     if (next_item < items) next = fetch(next_item, next_i);
     const int p0 = SUM ? 0 : message(item);
-    const long long item_first = (SUM ? item : item / n_read) * ITEM;
+    const long long item_first = (SUM ? item : item_div(item, n_read)) * ITEM;
     const long long first = item_first + lane * E;
     float v[E];
     if (SUM && i == own) {  // warp-uniform
@@ -848,7 +889,8 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
       for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(from_float<TACO_OUT>(acc[r])) : 0.0f;
       Payload q;
       float scale, pre;
-      compress_store<X>(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre, scratch);
+      compress_store<X, false>(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre,
+                               scratch);
       if (own_out_ != nullptr) {  // grid-uniform
         decompress_group<X, X>(q, scale, pre, lane, acc, scratch);
         if constexpr (X) {
