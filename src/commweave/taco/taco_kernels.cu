@@ -251,19 +251,19 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
 // Layout N (the default): lane j of a group (j = lane % 4) holds elements 32 j + r in register r.
 // Layout T: register 16 h + 4 k + i holds element 32 k + 16 h + 4 j + i (k < 4, h < 2, i < 4), so
 // the butterflies of strides 32 and 64 (k's bits) pair registers of one lane. N -> T and back go
-// through 2 KiB of the warp's shared memory in two rounds (h), 4 16-byte stores and 4 16-byte loads a
-// round: 16 instructions instead of 2 x 32 shuffles and 2 x 32 FMAs for the two cross-lane stages.
-// A lane's 64-byte stretch holds its chunks q at slot q ^ ((lane / 2) % 4): the stores are free of
-// bank conflicts, the loads conflict two ways. Every value is only moved: the bits are the reference's.
+// through XPOSE_BYTES of the warp's shared memory in two rounds (h), 4 16-byte stores and 4 16-byte
+// loads a round: 16 instructions instead of 2 x 32 shuffles and 2 x 32 FMAs for the two cross-lane
+// stages. A lane's chunks q sit at 16 q in its own 80-byte stretch (64 bytes and 16 of padding: with
+// a 64-byte stretch one of the two phases conflicts two ways in every bank, with 80 neither does).
+// Every value is only moved: the bits are the reference's.
+constexpr int XPOSE_BYTES = 32 * 80;
 #if TACO_TRANSPOSE && G == 128 && TACO_HADAMARD == 1
 constexpr bool CAN_TRANSPOSE = true;
 #else
 constexpr bool CAN_TRANSPOSE = false;
 #endif
 
-__device__ __forceinline__ float* xpose_slot(float* scratch, int owner, int q) {
-  return scratch + 16 * owner + 4 * (q ^ ((owner >> 1) & 3));
-}
+__device__ __forceinline__ float* xpose_slot(float* scratch, int owner, int q) { return scratch + 20 * owner + 4 * q; }
 
 // N -> T in place (round h: registers 16 h .. 16 h + 15 out, the same registers back).
 __device__ __forceinline__ void to_transposed(float (&v)[E], float* scratch, int lane) {
@@ -589,7 +589,7 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 // packed message at `payload` (groups past the message's end are dropped): a whole item's payload
 // through the warp's stage (coalesced), else lane by lane; the first lane of a group its scales.
 // q, scale, pre: what was stored (for a caller that also decompresses it).
-// X: compress_group<true> (scratch: 2 KiB of the warp's shared memory), q in layout T, its words
+// X: compress_group<true> (scratch: XPOSE_BYTES of the warp's shared memory), q in layout T, its words
 // staged at word slot (8 k + 4 h + j) ^ 4 g of group row g (conflict-free), read back as 16-byte
 // chunks.
 template <bool X = false, bool XR = X>
@@ -710,11 +710,12 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   // 16-bit own_out goes out through a stage (coalesced); FP32's would not fit beside its inbox in
   // 48 KiB of static shared memory, so FP32 stores lane by lane (slower, still exact)
   constexpr bool STAGE_OUT = sizeof(T) == 2;
-  // the transposed layout's exchange uses the own_out stage (2 KiB a warp: 16-bit input only)
+  // the transposed layout's exchange uses the own_out stage (16-bit input only: FP32's inbox leaves no room)
   constexpr bool X = CAN_TRANSPOSE && STAGE_OUT;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   __shared__ __align__(16) uint8_t inbox[8][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
-  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? 32 * LANE_BYTES : 16];  // a warp's own_out bytes
+  // a warp's own_out bytes, and the transposed layout's exchange
+  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? (X ? XPOSE_BYTES : 32 * LANE_BYTES) : 16];
   T* own_out = static_cast<T*>(own_out_);
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
@@ -828,11 +829,12 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   using T = typename Storage<TACO_OUT>::T;
   constexpr int OUT_BYTES = E * sizeof(T);  // a lane's output bytes
   constexpr int STEPS = SUM ? TACO_NSRC : 1;  // messages per item
-  __shared__ __align__(16) uint8_t stage[8][32 * OUT_BYTES];
+  constexpr int STAGE_BYTES = CAN_TRANSPOSE && XPOSE_BYTES > 32 * OUT_BYTES ? XPOSE_BYTES : 32 * OUT_BYTES;
+  __shared__ __align__(16) uint8_t stage[8][STAGE_BYTES];
   T* out = static_cast<T*>(out_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
   uint8_t* my_stage = stage[warp];
-  // layout T: the stage (>= 2 KiB a warp) is the exchange's scratch; every value (acc too) in layout T
+  // layout T: the stage (>= XPOSE_BYTES a warp) is the exchange's scratch; every value (acc too) in layout T
   constexpr bool X = CAN_TRANSPOSE;
   float* scratch = reinterpret_cast<float*>(my_stage);
   const long long groups = (numel + G - 1) / G;
