@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from commweave.evaluate.timing import cuda_median_us
+from commweave.runtime.timers import cuda_median_us
 from commweave.report.results import write_results
 from commweave.taco import cuda
 from commweave.taco.quant import QuantConfig

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from commweave.evaluate.timing import cuda_median_us as median_us
+from commweave.runtime.timers import cuda_median_us as median_us
 from probe_cli import probe_main  # bench/ is on sys.path when a probe runs as a script
 from commweave.workloads.attention_cp.attention import attention_with_lse, merge_two
 

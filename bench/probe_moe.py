@@ -21,7 +21,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from commweave.evaluate.timing import cuda_median_us as median_us
+from commweave.runtime.timers import cuda_median_us as median_us
 from probe_cli import probe_main  # bench/ is on sys.path when a probe runs as a script
 
 H, INTER, EXPERTS, TOP_K = 7168, 2048, 256, 8

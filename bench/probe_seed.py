@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from commweave.evaluate.program import load_program, with_config
+from commweave.contracts.program import load_program, with_config
 from commweave.report.results import write_results
 from commweave.runtime import WorkerPool, apply_safe_env
 from commweave.workloads import get_workload

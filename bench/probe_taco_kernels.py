@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_cli import probe_main  # noqa: E402  (bench/ is not a package)
 
-from commweave.evaluate.timing import cuda_median_us  # noqa: E402
+from commweave.runtime.timers import cuda_median_us  # noqa: E402
 from commweave.taco import cuda, kernels  # noqa: E402
 from commweave.taco.quant import QuantConfig  # noqa: E402
 

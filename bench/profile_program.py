@@ -22,7 +22,7 @@ def profile_job(ctx, workload: str, program: str, shape_text: str, config: dict,
     from torch.profiler import ProfilerActivity, profile
 
     from commweave.evaluate.jobs import harness_output
-    from commweave.evaluate.program import load_program, with_config
+    from commweave.contracts.program import load_program, with_config
     from commweave.workloads import get_workload
 
     wl = get_workload(workload)

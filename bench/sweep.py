@@ -8,8 +8,9 @@
 `--program` sweeps another of the workload's programs (default: its seed); the seed is then timed
 beside the variants as it is.
 
-Every variant is checked for correctness first (check shapes and the timed shapes); the survivors
-are timed in one job per shape beside the baselines. Results go to bench/results/.
+Every program is checked for correctness first (check shapes, then each timed shape); the survivors
+are timed in one job per shape beside the baselines (`commweave.evaluate.bench.bench_workload`,
+the same path as `commweave bench`). Results go to bench/results/ (or --out-dir).
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from dataclasses import asdict
+from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
-from commweave.evaluate.evaluator import Evaluator
-from commweave.evaluate.floor import calibrate
-from commweave.evaluate.program import with_config
-from commweave.report.results import write_results
+from commweave.contracts.program import with_config
+from commweave.evaluate.bench import bench_workload
+from commweave.report.bench import notes, ranking_table
+from commweave.report.results import RESULTS_DIR, write_results
 from commweave.runtime import WorkerPool, apply_safe_env
 from commweave.workloads import get_workload
 
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--grid", action="append", default=[], help="knob=v1,v2 (repeatable)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--program", default=None, help="the workload program whose CONFIG is swept (default: the seed)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
 
     wl = get_workload(args.workload)
@@ -70,34 +71,17 @@ def main() -> None:
     if swept != wl.seed:
         variants[wl.seed] = wl.program_text(wl.seed)
     console = Console()
-    rows = []
     with WorkerPool(args.gpus, job_timeout_s=300) as pool:
-        rates = calibrate(pool)
-        ev = Evaluator(pool, wl, seeds=2, iters=args.iters, rates=rates, job_timeout_s=300)
-        checks = {name: ev.check(text, [*wl.check_shapes(args.gpus), *shapes]) for name, text in variants.items()}
-        for name, verdict in checks.items():
-            if not verdict.ok:
-                console.print(f"{name}: {verdict.failure}: {verdict.message}", highlight=False)
-        programs = {b: wl.program_text(b) for b in wl.baselines}
-        programs |= {name: text for name, text in variants.items() if checks[name].ok}
-        for shape in shapes:
-            result = ev.benchmark(programs, shape)
-            rows.append(asdict(result))
-            table = Table(title=f"{wl.name} {shape} on {args.gpus} GPUs (floor {result.floor_us:,.1f} µs)")
-            for col in ("program", "median µs", "p90 µs", f"vs {wl.baselines[0]}", "verdict"):
-                table.add_column(col)
-            base = result.programs[wl.baselines[0]].median_us
-            for name, t in result.programs.items():
-                speed = f"{base / t.median_us:.2f}x" if base and t.median_us and t.verdict.ok else "-"
-                med = f"{t.median_us:,.1f}" if t.median_us else "-"
-                p90 = f"{t.p90_us:,.1f}" if t.p90_us else "-"
-                table.add_row(name, med, p90, speed, "ok" if t.verdict.ok else f"{t.verdict.failure}: {t.verdict.message[:60]}")
-            console.print(table)
-    path = write_results(f"sweep-{wl.name}-{args.gpus}gpu", {
-        "workload": wl.name, "gpus": args.gpus, "program": swept, "grid": grid, "rates": asdict(rates),
-        "checks": {n: asdict(v) for n, v in checks.items()}, "benchmarks": rows,
-    }, command=["python", "bench/sweep.py", *sys.argv[1:]])
-    console.print(f"results: {path}")
+        report = bench_workload(pool, wl, shapes, {b: wl.program_text(b) for b in wl.baselines} | variants,
+                                iters=args.iters, job_timeout_s=300, command=["python", "bench/sweep.py", *sys.argv[1:]],
+                                meta={"program": swept, "grid": grid},
+                                progress=lambda step: console.print(step.description, highlight=False))
+    path = write_results(f"sweep-{wl.name}-{args.gpus}gpu", report.to_json(), out_dir=args.out_dir,
+                         provenance=report.provenance)
+    console.print(ranking_table(report, f"{wl.name} on {args.gpus} GPUs: median µs (x the fitness baseline)")[0])
+    for line in notes(report):
+        console.print(line, highlight=False, markup=False)
+    console.print(f"results: {path}", highlight=False)
 
 
 if __name__ == "__main__":

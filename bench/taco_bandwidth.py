@@ -2,7 +2,7 @@
 on W GPUs (issue 5's table): algorithm bandwidth per op and size, per codec.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
-        python bench/taco_bandwidth.py --gpus 4 [--mibs 1 4 16 64 256] [--codecs cuda cuda-p4 triton]
+        python bench/taco_bandwidth.py --gpus 4 [--mibs 1 4 16 64 256] [--codecs cuda cuda-fused triton]
 
 Writes bench/results/taco-bandwidth-<W>gpu-<UTC>.json (rows of `commweave.taco.bandwidth.measure`,
 with provenance) and a PNG beside it (bandwidth against message size, one panel per op), and prints
@@ -63,8 +63,7 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--mibs", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--codecs", nargs="+", default=["cuda"], type=_variant,
-                   help="variants: cuda, triton, <codec>-p<pieces> (pipelined, e.g. cuda-p4), "
-                        "cuda-p<pieces>-b<blocks> (compression capped at that many blocks, e.g. cuda-p4-b132)")
+                   help="variants: cuda, triton, cuda-fused (the reading kernels perform the read barrier)")
     p.add_argument("--single-buffer", action="store_true",
                    help="one buffer per op (two barriers a call back to back; default: two alternated, one barrier)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)

@@ -1,7 +1,7 @@
 """TACO's CUDA codec against the HBM roofline on one GPU, in one process.
 
 For each size (MiB of BF16 handled by a call, 4-256 by default) this times, with CUDA events
-(`evaluate.timing.cuda_median_us`: each call queued behind a spin kernel, so the time is the GPU's):
+(`runtime.timers.cuda_median_us`: each call queued behind a spin kernel, so the time is the GPU's):
 - a device-to-device copy of that size (torch `copy_`): the roofline's rate, bytes read + written;
 - compress and decompress (the one-message gather) at TACO's defaults (Hadamard + dual scales) and
   with both off ("plain");
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from commweave.evaluate.timing import cuda_median_us, input_sets_for
+from commweave.evaluate.timing import input_sets_for
+from commweave.runtime.timers import cuda_median_us
 from commweave.report.results import write_results
 from commweave.taco import cuda, quant
 from commweave.taco.quant import QuantConfig

@@ -277,12 +277,11 @@ def _shard(window: torch.Tensor, rank: int, world: int, device: torch.device) ->
 
 
 def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str = "reference",
-              dtype: str = "float32", reference_steps: int = 0, pieces: int = 1, graph: bool = False) -> dict:
+              dtype: str = "float32", reference_steps: int = 0, graph: bool = False) -> dict:
     """Train the TP/SP model for train['steps'] steps (compression on or off) and return the loss
     history, validation losses and step times. With reference_steps > 0, also train the
     single-process reference model (full sequence, same weights, same batches) for that many
-    steps and return its losses, to check the TP model against it. pieces > 1: the device
-    backend's pipelined collectives. graph (CUDA): after GRAPH_WARMUP eager steps, each step
+    steps and return its losses, to check the TP model against it. graph (CUDA): after GRAPH_WARMUP eager steps, each step
     (forward, backward, gradient sums, clipping, optimizer) is one CUDA graph replay, so a step
     costs its GPU time, not the host's launches (the optimizer is then AdamW's capturable form,
     whose learning rate is a tensor)."""
@@ -299,7 +298,7 @@ def train_job(ctx: Any, model: dict, train: dict, compress: bool, backend: str =
         # bind the device backend to the pool's context instead of making a second one
         from commweave.taco.device import DeviceBackend
 
-        cc.register_backend("device", DeviceBackend(ctx=ctx, pieces=pieces))
+        cc.register_backend("device", DeviceBackend(ctx=ctx))
     cfg = QuantConfig() if compress else None
     corpus = load_corpus(tc.max_bytes)
 
@@ -505,13 +504,13 @@ def plot(plain: dict, taco: dict, title: str, path: Path, dtype: str = "bfloat16
 
 
 def run_both(pool: Any, model: dict, train: dict, backend: str, dtype: str, timeout_s: float,
-             pieces: int = 1, graph: bool = False) -> tuple[dict, dict]:
+             graph: bool = False) -> tuple[dict, dict]:
     """Plain, then TACO, in the same pool: same seed, same batches."""
     job = f"{Path(__file__).stem}:train_job"  # workers import this module by name (bench/ on sys.path)
     runs = []
     for compress in (False, True):
         result = pool.run(job, timeout_s=timeout_s, model=model, train=train, compress=compress, backend=backend,
-                          dtype=dtype, pieces=pieces, graph=graph)
+                          dtype=dtype, graph=graph)
         if not result.ok:
             failure = result.first_failure()
             raise RuntimeError(f"training (compress={compress}) failed: {result.status}: "
@@ -537,8 +536,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", choices=("reference", "device"), default="reference",
                    help="compressed collectives: host reference, or device-initiated (CUDA only)")
-    p.add_argument("--pieces", type=int, default=1,
-                   help="with --backend device: pipelined collectives in up to this many pieces (1: whole messages)")
     p.add_argument("--graph", action="store_true",
                    help="with --backend device: each step (both runs) one CUDA graph replay after a few eager steps, "
                         "so step times compare GPU time, not the host's launches")
@@ -556,10 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.gpus = 4
     if args.backend == "device" and args.cpu_ranks is not None:
         p.error("--backend device needs CUDA (--gpus)")
-    if args.pieces != 1 and args.backend != "device":
-        p.error("--pieces applies to --backend device only")
-    if args.graph and (args.backend != "device" or args.pieces != 1):
-        p.error("--graph needs --backend device with whole messages (--pieces 1): pipelined calls cannot be captured")
+    if args.graph and args.backend != "device":
+        p.error("--graph needs --backend device")
     if args.dtype is None:
         args.dtype = "float32" if args.cpu_ranks is not None else "bfloat16"
     return args
@@ -580,11 +575,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                max_bytes=args.max_bytes))
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}  # this script's directory: workers import it by name
     with WorkerPool(world, device="cpu" if on_cpu else "cuda", job_timeout_s=args.job_timeout, env=env) as pool:
-        plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout, args.pieces, args.graph)
+        plain, taco = run_both(pool, model, train, args.backend, args.dtype, args.job_timeout, args.graph)
     summary = summarize(plain, taco)
     size = "" if (args.layers, args.hidden) == (6, 1024) else f"-{args.layers}x{args.hidden}"  # non-default: in the names
     name = f"taco-train-{world}{'cpu' if on_cpu else 'gpu'}{size}{'-graph' if args.graph else ''}"
-    config = {"world": world, "device": "cpu" if on_cpu else "cuda", "backend": args.backend, "pieces": args.pieces,
+    config = {"world": world, "device": "cpu" if on_cpu else "cuda", "backend": args.backend,
               "graph": args.graph,
               "dtype": args.dtype,
               "model": model, "train": train, "compression": "QuantConfig() forward and gradient, every TP layer",

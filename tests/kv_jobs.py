@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from commweave.evaluate.checks import judge_output, poison_
+from commweave.contracts.poison import poison_
+from commweave.evaluate.checks import judge_output
 from commweave.evaluate.jobs import harness_output
-from commweave.evaluate.program import load_program, unavailable_reason, with_config
+from commweave.contracts.program import load_program, unavailable_reason, with_config
 from commweave.workloads.kv_transfer.workload import KvTransfer
 
 

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 import commweave.ops as ops
-from commweave.evaluate.checks import poison_
+from commweave.contracts.poison import poison_
 from commweave.ops import functions, runner
-from commweave.workloads import Shape, Workload, get_workload
+from commweave.contracts.workload import Shape, Workload
+from commweave.workloads import get_workload
 
 
 def _call(wl: Workload, shape: Shape, inputs: dict[str, torch.Tensor], out: torch.Tensor | None,
@@ -21,8 +22,6 @@ def _call(wl: Workload, shape: Shape, inputs: dict[str, torch.Tensor], out: torc
     """The workload's public op on `inputs` (named as in make_inputs)."""
     if wl.name == "gemm-allgather":
         return ops.gemm_allgather(inputs["a"], inputs["b"], program=program)
-    if wl.name in ("gemm-allgather-lossy", "moe-lossy"):  # no function of their own: the generic op by name
-        return ops.op(wl.name, program)(**inputs)
     if wl.name == "attention-cp":
         return ops.context_parallel_attention(inputs["q"], inputs["k"], inputs["v"], causal=bool(shape["CAUSAL"]),
                                               program=program)
@@ -31,7 +30,7 @@ def _call(wl: Workload, shape: Shape, inputs: dict[str, torch.Tensor], out: torc
                              program=program)
     if wl.name == "kv-transfer":
         return ops.transfer_kv(inputs.get("kv"), inputs["src_blocks"], inputs["dst_blocks"], out, program=program)
-    raise ValueError(f"no op for {wl.name}")
+    return ops.op(wl.name, program)(**inputs)  # any other registered workload: the generic op by name
 
 
 def _error(wl: Workload, shape: Shape, world: int, rank: int, seed: int, out: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from commweave.evaluate.jobs import harness_output
-from commweave.evaluate.program import load_program, unavailable_reason, with_config
+from commweave.contracts.program import load_program, unavailable_reason, with_config
 from commweave.workloads import get_workload
 
 

@@ -5,10 +5,13 @@ the uncompressed torch collective and against a single-process reference."""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Hashable
+
 import torch
 import torch.distributed as dist
 
 from commweave.taco import collectives as cc
+from commweave.taco.backend import resolve_group
 from commweave.taco.quant import QuantConfig
 
 
@@ -78,13 +81,31 @@ def compressed_all_reduce_auto(ctx, one_shot_max_bytes: int) -> list[float]:
     return cc.compressed_all_reduce(x, cfg, one_shot_max_bytes=one_shot_max_bytes).flatten()[:3].tolist()
 
 
+def tp_pairs() -> tuple[dist.ProcessGroup, Any]:
+    """On 4 ranks, two TP pairs {0, 1} and {2, 3}: this rank's pair as a ProcessGroup, and the
+    (dp, tp) DeviceMesh whose "tp" dimension is the same pairs (collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != 4:
+        raise ValueError(f"two TP pairs need 4 ranks, got {dist.get_world_size()}")
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return pairs[dist.get_rank() // 2], init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
 def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int = 2, hidden: int = 64,
-                        ffn: int = 128, seed: int = 0, grad_compression: str | None = "same") -> dict:
+                        ffn: int = 128, seed: int = 0, grad_compression: str | None = "same",
+                        pairs: bool = False) -> dict:
     """A column -> GELU -> row MLP with sequence parallelism against the same MLP on one process:
-    output and every gradient (input, weights, biases)."""
+    output and every gradient (input, weights, biases). `pairs`: TP over two pairs of 4 ranks (the
+    mesh's "tp" dimension), each pair with its own data."""
     from commweave.taco.tp import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads
 
-    world, rank = ctx.world_size, ctx.rank
+    group: Any = None
+    if pairs:
+        _, mesh = tp_pairs()
+        group, seed = (mesh, "tp"), seed + 10 * (ctx.rank // 2)
+    tp_group = resolve_group(group)
+    world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     cfg = None if compression is None else QuantConfig(64, compression)
     grad_cfg = cfg if grad_compression == "same" else (None if grad_compression is None else QuantConfig(64, grad_compression))
     gen = torch.Generator().manual_seed(seed)
@@ -101,15 +122,15 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
     yr = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xr, w1r, b1r)), w2r, b2r)
     (yr * probe).sum().backward()
 
-    col = ColumnParallelLinear(hidden, ffn, bias=True, compression=cfg, grad_compression=grad_cfg)
-    row = RowParallelLinear(ffn, hidden, bias=True, compression=cfg, grad_compression=grad_cfg)
+    col = ColumnParallelLinear(hidden, ffn, bias=True, compression=cfg, grad_compression=grad_cfg, group=group)
+    row = RowParallelLinear(ffn, hidden, bias=True, compression=cfg, grad_compression=grad_cfg, group=group)
     col.load_full_weight(w1, b1)
     row.load_full_weight(w2, b2)
     s = seq // world
     x = x_full[rank * s:(rank + 1) * s].clone().requires_grad_()
     y = row(torch.nn.functional.gelu(col(x)))
     (y * probe[rank * s:(rank + 1) * s]).sum().backward()
-    allreduce_sequence_parallel_grads([col, row])
+    allreduce_sequence_parallel_grads([col, row], group)
 
     f = ffn // world
     return {
@@ -127,12 +148,10 @@ def tp_mlp_vs_reference(ctx, compression: str | None, seq: int = 8, batch: int =
 
 import threading  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from typing import Any, Callable, Hashable  # noqa: E402
 
 from commweave.taco.cuda import FusedBarrier  # noqa: E402
-from commweave.taco.device import DeviceCollectives, ReferenceCodec  # noqa: E402
-from commweave.taco.quant import Compressed  # noqa: E402
+from commweave.taco.device import DeviceCollectives  # noqa: E402
+from commweave.taco.quant import Compressed, ReferenceCodec  # noqa: E402
 
 #: a case: (op, QuantConfig kwargs, shape, dtype name, seed); op in all_gather, reduce_scatter,
 #: one_shot, two_shot. Plain tuples so they travel to the workers.
@@ -156,11 +175,11 @@ def run_case(call: Callable[[str, torch.Tensor, QuantConfig], torch.Tensor], cas
     return call(case[0], case_input(case, world, rank, device), QuantConfig(**case[1]))
 
 
-def reference_call(op: str, x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
-    """The reference backend over the default process group (gloo on CPU, NCCL on CUDA)."""
+def reference_call(op: str, x: torch.Tensor, cfg: QuantConfig | None, group: Any = None) -> torch.Tensor:
+    """The reference backend over `group` (default: the default process group; gloo on CPU, NCCL on CUDA)."""
     if op in ("one_shot", "two_shot"):
-        return cc.all_reduce(x, cfg, op, backend="reference")
-    return getattr(cc, op)(x, cfg, backend="reference")
+        return cc.all_reduce(x, cfg, op, group=group, backend="reference")
+    return getattr(cc, op)(x, cfg, group=group, backend="reference")
 
 
 def device_call(coll: Any) -> Callable[[str, torch.Tensor, QuantConfig], torch.Tensor]:
@@ -178,9 +197,8 @@ def reference_results(ctx, cases: list[Case]) -> list[torch.Tensor]:
 
 class FakeNode:
     """W ranks in one process (one thread each): every rank's buffers in one dict, a threading
-    barrier, per-piece flags (pipelined calls), and a log of who wrote / read whose buffer in which
-    barrier epoch and call, from which `hazards()` finds missing barriers or flag waits whatever
-    the threads' timing. On a CUDA `device` the buffers are that GPU's memory and a barrier first
+    barrier, and a log of who wrote / read whose buffer in which barrier epoch and call, from which
+    `hazards()` finds missing barriers whatever the threads' timing. On a CUDA `device` the buffers are that GPU's memory and a barrier first
     waits for the GPU (every rank's queued writes done before any rank queues a read)."""
 
     def __init__(self, world: int, device: str | torch.device = "cpu"):
@@ -188,13 +206,10 @@ class FakeNode:
         self.device = torch.device(device)
         self._barrier = threading.Barrier(world)
         self._lock = threading.Lock()
-        self._flags_changed = threading.Condition(self._lock)
-        self.flags: dict[tuple[int, int, int], int] = defaultdict(int)  # (reader, writer, slot) -> epoch
         self.buffers: dict[tuple[int, Hashable], torch.Tensor] = {}
         self.allocations: dict[int, list[tuple[Hashable, int]]] = defaultdict(list)
-        # (kind, actor, owner, key, barrier epoch, call: the actor's use count of key, the actor waited
-        # on a flag of the owner since its last barrier)
-        self.events: list[tuple[str, int, int, Hashable, int, int, bool]] = []
+        # (kind, actor, owner, key, barrier epoch, call: the actor's use count of key)
+        self.events: list[tuple[str, int, int, Hashable, int, int]] = []
 
     def owner_of(self, t: torch.Tensor) -> tuple[int, Hashable]:
         ptr = t.data_ptr()
@@ -207,26 +222,23 @@ class FakeNode:
     def log(self, kind: str, transport: FakeTransport, t: torch.Tensor) -> None:
         owner, key = self.owner_of(t)
         with self._lock:
-            self.events.append((kind, transport.rank, owner, key, transport.epoch, transport.uses[key],
-                                owner in transport.synced))
+            self.events.append((kind, transport.rank, owner, key, transport.epoch, transport.uses[key]))
 
     def hazards(self) -> list[str]:
-        """A peer reading a buffer in the barrier epoch its owner writes it for another call (a
-        rewrite race), or for the same call without having waited on the owner's flag since the last
-        barrier (no barrier and no flag between write and read), or reading before any write."""
+        """A peer reading a buffer in the barrier epoch its owner writes it (for another call: a
+        rewrite race; for the same call: no barrier between write and read), or before any write."""
         writes: dict[tuple[int, Hashable], set[tuple[int, int]]] = defaultdict(set)
-        for kind, _, owner, key, epoch, call, _ in self.events:
+        for kind, _, owner, key, epoch, call in self.events:
             if kind == "write":
                 writes[(owner, key)].add((epoch, call))
         found = []
-        for kind, actor, owner, key, epoch, call, synced in self.events:
+        for kind, actor, owner, key, epoch, call in self.events:
             if kind == "read" and actor != owner:
                 for w_epoch, w_call in writes[(owner, key)]:
-                    if w_epoch == epoch and (w_call != call or not synced):
+                    if w_epoch == epoch:
                         found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch} (call {call}), when it "
-                                     f"is written for call {w_call}{'' if synced else ' with no flag waited on'}")
-                if not any(w_epoch < epoch or (w_epoch == epoch and w_call == call and synced)
-                           for w_epoch, w_call in writes[(owner, key)]):
+                                     f"is written for call {w_call}{' with no barrier between' if w_call == call else ''}")
+                if not any(w_epoch < epoch for w_epoch, _ in writes[(owner, key)]):
                     found.append(f"rank {actor} reads rank {owner}'s {key} in epoch {epoch}, before any write")
         return sorted(set(found))
 
@@ -239,7 +251,6 @@ class FakeTransport:
         self.captured = False  # set by a test: this rank's calls count as captured into a CUDA graph
         self.epoch = 0
         self.uses: dict[Hashable, int] = defaultdict(int)  # calls that took each buffer so far
-        self.synced: set[int] = set()  # ranks whose flags this rank waited on since its last barrier
         self._keys: dict[int, Hashable] = {}
 
     def buffer(self, key: Hashable, nbytes: int) -> torch.Tensor:
@@ -262,7 +273,6 @@ class FakeTransport:
 
     def barrier(self) -> None:
         self.epoch += 1
-        self.synced.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.node._barrier.wait(timeout=60)
@@ -273,29 +283,6 @@ class FakeTransport:
     def fused_barrier(self, epoch: int) -> FusedBarrier:
         """A token: the TracingCodec that receives it runs `barrier()` right before its reads."""
         return FusedBarrier(signal=(), wait=(), epoch=epoch)
-
-    @contextmanager
-    def side(self):  # one thread per rank: the side stream's work runs in place, in order
-        yield
-
-    def join(self) -> None:
-        pass
-
-    def publish(self, slot: int, epoch: int, ranks) -> None:
-        node = self.node
-        with node._flags_changed:
-            for d in ranks:
-                assert node.flags[(d, self.rank, slot)] < epoch, "an epoch is published twice"
-                node.flags[(d, self.rank, slot)] = epoch
-            node._flags_changed.notify_all()
-
-    def wait(self, slot: int, epoch: int, ranks) -> None:
-        node = self.node
-        with node._flags_changed:
-            if not node._flags_changed.wait_for(lambda: all(node.flags[(self.rank, s, slot)] >= epoch for s in ranks),
-                                                timeout=60):
-                raise TimeoutError(f"rank {self.rank} waited 60 s for slot {slot} of epoch {epoch} from {list(ranks)}")
-        self.synced.update(ranks)
 
 
 class TracingCodec:
@@ -339,7 +326,7 @@ class TracingCodec:
 
 
 def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_buffer: bool = False,
-             codec: Any = None, pieces: int = 1, fuse_barriers: bool = False, device: str | torch.device = "cpu",
+             codec: Any = None, fuse_barriers: bool = False, device: str | torch.device = "cpu",
              trace: bool = True) -> tuple[list[Any], FakeNode]:
     """Run body(collectives, rank) for W simulated ranks in threads; their results and the node
     (`fuse_barriers`: the read barriers handed to the codec, see TracingCodec; `trace=False`: the
@@ -353,7 +340,7 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
         t = FakeTransport(node, rank)
         try:
             used = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers) if trace else codec
-            results[rank] = body(DeviceCollectives(t, used, double_buffer, pieces), rank)
+            results[rank] = body(DeviceCollectives(t, used, double_buffer), rank)
         except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append(e)
             node._barrier.abort()
@@ -375,13 +362,13 @@ def simulated_ranks_on_one_gpu(cases: list[Case], world: int, double_buffer: boo
     the real kernels and the replayed launches at W > 1 without W GPUs. Each rank runs the cases
     `passes` times (later passes replay what the first recorded). Returns, per rank, each pass's
     results (on CPU) and how many layouts were replayable."""
-    from commweave.taco.device import CudaCodec
+    from commweave.taco.codec import CudaCodec
 
     gpu = torch.device("cuda", torch.cuda.current_device())  # with its index, as tensors have
 
     def body(coll: DeviceCollectives, rank: int) -> dict:
         runs = [[run_case(device_call(coll), c, world, rank, gpu).cpu() for c in cases] for _ in range(passes)]
-        return {"passes": runs, "replayable": sum(v is not None for v in coll._replays.values())}
+        return {"passes": runs, "replayable": coll.replays.replayable()}
 
     results, _ = simulate(world, body, double_buffer, CudaCodec(), device=gpu, trace=False)
     return results
@@ -427,19 +414,15 @@ def edge_inputs() -> torch.Tensor:
                       near_max, mixed])
 
 
-def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False, pieces: int = 1,
-                            min_piece: int | None = None, fuse_barriers: bool = False) -> dict:
-    """On CUDA: the device backend (pipelined with `pieces` > 1, pieces of at least `min_piece`
-    elements; read barriers performed by the reading kernels with `fuse_barriers`) against the reference backend over NCCL (bit for bit), against the CPU simulation with
-    the reference codec (bit for bit), and, where every rank gets the whole result (all-gather,
-    all-reduce), identical across ranks. Returns the pipelined calls made (`epochs`) too."""
-    from commweave.taco import device
+def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False, fuse_barriers: bool = False) -> dict:
+    """On CUDA: the device backend (read barriers performed by the reading kernels with
+    `fuse_barriers`) against the reference backend over NCCL (bit for bit), against the CPU
+    simulation with the reference codec (bit for bit), and, where every rank gets the whole result
+    (all-gather, all-reduce), identical across ranks."""
     from commweave.taco.device import DeviceBackend
 
-    if min_piece is not None:
-        device.MIN_PIECE = min_piece
     world, rank = ctx.world_size, ctx.rank
-    backend = DeviceBackend(ctx, double_buffer=double_buffer, pieces=pieces, fuse_barriers=fuse_barriers)
+    backend = DeviceBackend(ctx, double_buffer=double_buffer, fuse_barriers=fuse_barriers)
     sim, _ = simulate(world, lambda coll, r: [run_case(device_call(coll), c, world, r) for c in cases])
     out: dict[str, Any] = {"mismatches": [], "cases": len(cases)}
     for i, case in enumerate(cases):
@@ -455,7 +438,6 @@ def device_vs_reference_gpu(ctx, cases: list[Case], double_buffer: bool = False,
             if not ok:
                 diff = float((dev.float() - other.float()).abs().max()) if dev.shape == other.shape else float("nan")
                 out["mismatches"].append(f"case {i} {case}: differs from {what} (max |diff| {diff:.3g})")
-    out["epochs"] = backend.collectives(torch.empty(1, device=ctx.device)).epoch
     backend.close()
     ctx.end_candidate()
     return out
@@ -592,7 +574,7 @@ class SerializedCodec:
 def kernel_codec_vs_reference_codec(world: int, cases: list[Case]) -> list[str]:
     """In a process whose Triton interprets (TRITON_INTERPRET=1): the algorithms with the Triton
     kernels (TritonCodec, interpreted) against the same with the reference codec; mismatches."""
-    from commweave.taco.device import TritonCodec
+    from commweave.taco.codec import TritonCodec
 
     def body(coll, r):
         return [run_case(device_call(coll), c, world, r) for c in cases]
@@ -631,3 +613,28 @@ def selecting_backend_vs_direct(ctx) -> dict:
                                      cc.all_reduce(x, cfg, "two_shot", backend="reference"))
     out["ar_small_plain"] = torch.equal(cc.all_reduce(small, cfg, backend="auto"), cc.all_reduce(small))
     return out
+
+
+def subgroups_vs_pair_simulation(ctx, cases: list[Case]) -> list[str]:
+    """On 4 ranks, each case over this rank's TP pair, named as a ProcessGroup, as (mesh, "tp") and
+    as the mesh's one-dimensional "tp" submesh: bit for bit what 2 simulated ranks compute for the
+    pair's inputs (the device algorithms with the reference codec, which equal the reference backend
+    on 2 ranks); the plain collectives over the pair alike. Each pair has its own inputs. Mismatches."""
+    import functools
+
+    pair_group, mesh = tp_pairs()
+    pair, r = ctx.rank // 2, ctx.rank % 2
+    mine = [(op, kw, shape, dtype, seed + 100 * pair) for op, kw, shape, dtype, seed in cases]
+    sim, _ = simulate(2, lambda coll, rr: [run_case(device_call(coll), c, 2, rr) for c in mine])
+    found = []
+    for name, group in (("ProcessGroup", pair_group), ("(mesh, 'tp')", (mesh, "tp")), ("mesh['tp']", mesh["tp"])):
+        call = functools.partial(reference_call, group=group)
+        for i, c in enumerate(mine):
+            if not same_bits(run_case(call, c, 2, r), sim[r][i]):
+                found.append(f"{name}: case {i} {c}")
+        xs = [case_input(mine[0], 2, p) for p in range(2)]
+        if not torch.equal(cc.all_gather(xs[r], None, group), torch.cat(xs)):
+            found.append(f"{name}: plain all_gather")
+        if not torch.equal(cc.all_reduce(xs[r], None, group=group), xs[0] + xs[1]):
+            found.append(f"{name}: plain all_reduce")
+    return found

@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from commweave.evaluate.program import load_program, parse_program
+from commweave.contracts.program import load_program, parse_program
 from commweave.space import DirectiveSet, directives_of
 
 

@@ -33,7 +33,7 @@ from commweave.agents import (
 from commweave.agents.prompts import JUDGE_SYSTEM
 from commweave.cli import app
 from commweave.evaluate import Evaluator
-from commweave.evaluate.program import parse_program
+from commweave.contracts.program import parse_program
 from commweave.llm import Ledger, client_for, extract_code
 from commweave.runtime import WorkerPool
 from commweave.space import directives_of, program_body

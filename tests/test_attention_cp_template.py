@@ -7,21 +7,21 @@ import random
 
 import pytest
 
-from commweave.evaluate.program import load_program
+from commweave.contracts.program import load_program
 from commweave.search.proposer import Memory, OfflineProposer
 from commweave.space.template import program_body
-from commweave.workloads.attention_cp.template import make_template
+from commweave.workloads import get_workload
 from template_samples import renderable_samples
 
-TEMPLATE = make_template()
+TEMPLATE = get_workload("attention-cp").template()
 SHAPE = TEMPLATE.default_shape(4)  # 32k tokens, 32/8 heads, D 128, full: 8192 rows a rank
 
 
 def test_seed_rendering_is_the_seed():
     assert TEMPLATE.check(TEMPLATE.seed_directives(), 4) == []
     rendered = TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)
-    assert load_program(rendered).CONFIG == load_program(TEMPLATE.wl.program_text("seed")).CONFIG
-    assert TEMPLATE.wl.template().workload == "attention-cp"
+    assert load_program(rendered).CONFIG == load_program(TEMPLATE.workload.program_text("seed")).CONFIG
+    assert TEMPLATE.workload.template().workload.name == "attention-cp"
 
 
 def test_rejects_what_it_does_not_implement():
@@ -48,10 +48,10 @@ def test_direction_picks_the_program_and_chunk_bytes_become_pieces():
     pull = TEMPLATE.seed_directives().with_(knobs={"direction": "pull", "slots": 3, "block_kernel": "flash"})
     config = load_program(TEMPLATE.render(pull, SHAPE, 4)).CONFIG
     assert (config["chunks"], config["slots"], config["backend"]) == (1, 3, "flash")
-    assert "chunks" in load_program(TEMPLATE.wl.program_text("seed_pull")).CONFIG
+    assert "chunks" in load_program(TEMPLATE.workload.program_text("seed_pull")).CONFIG
     chunked = pull.with_(sync="chunk", chunk_bytes=8 << 20)
     assert load_program(TEMPLATE.render(chunked, SHAPE, 4)).CONFIG["chunks"] == 4
-    causal = TEMPLATE.wl.make_shape(32768, 32, 8, 128, True, 4)
+    causal = TEMPLATE.workload.make_shape(32768, 32, 8, 128, True, 4)
     assert TEMPLATE.pieces(chunked, causal, 4) == 2
     assert TEMPLATE.pieces(chunked.with_(chunk_bytes=1 << 30), SHAPE, 4) == 1
     # the push seed has neither chunks nor slots: knobs it lacks render nothing
@@ -76,7 +76,7 @@ def test_rendered_sample_parses_and_carries_its_directives():
 
 
 def test_the_offline_proposer_searches_it():
-    proposer = OfflineProposer(TEMPLATE, 4, TEMPLATE.wl.cost(SHAPE, 4))
+    proposer = OfflineProposer(TEMPLATE, 4, TEMPLATE.workload.cost(SHAPE, 4))
     memory, rng = Memory(), random.Random(0)
     for phase in ("exploit", "explore") * 5:
         p = proposer.propose(TEMPLATE.seed_directives(), phase, memory, rng)

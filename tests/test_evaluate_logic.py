@@ -12,15 +12,18 @@ import pytest
 import torch
 
 from commweave.evaluate import EvaluationError, Evaluator, FailureClass, MachineRates, Verdict, floor_s
-from commweave.evaluate.checks import judge_output, modified_inputs, not_ready, poison_, poisoned_mask
-from commweave.evaluate.evaluator import EvalResult, job_failure
+from commweave.contracts.poison import poison_, poisoned_mask
+from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
+from commweave.contracts.result import EvalResult
+from commweave.evaluate.evaluator import job_failure
 from commweave.evaluate.floor import FLOOR_MARGIN, below_floor
 from commweave.evaluate.timing import (
-    INTERLEAVE_BLOCK, L2_BYTES, MAX_INPUT_SETS, input_sets_for, interleaved_schedule, per_iteration_max, summarize,
+    INTERLEAVE_BLOCK, MAX_INPUT_SETS, input_sets_for, interleaved_schedule, per_iteration_max, summarize,
 )
-from commweave.evaluate.verdict import merge_rank_verdicts
+from commweave.contracts.verdict import merge_rank_verdicts
 from commweave.runtime.pool import JobResult, RankFailure, WorkerPool
-from commweave.workloads.base import Cost
+from commweave.contracts.profile import H200
+from commweave.contracts.workload import Cost
 from toy_workload import ToyGatherMatmul
 
 PROGRAMS = Path(__file__).parent / "programs_cpu"
@@ -138,7 +141,7 @@ def test_interleaved_schedule_rotates_blocks():
 
 def test_input_sets_exceed_twice_l2():
     assert input_sets_for(1 << 30) == 2
-    assert input_sets_for(16 << 20) * (16 << 20) >= 2 * L2_BYTES
+    assert input_sets_for(16 << 20) * (16 << 20) >= 2 * H200.l2_bytes
     assert input_sets_for(1) == MAX_INPUT_SETS
 
 
@@ -231,7 +234,7 @@ def test_evaluator_validates_its_settings():
 
 
 def test_with_config_sets_knobs_and_refuses_unknown_ones():
-    from commweave.evaluate.program import ProgramError, parse_program, with_config
+    from commweave.contracts.program import ProgramError, parse_program, with_config
 
     text = '''# EVOLVE-BLOCK-START
 CONFIG = dict(ctas=16, order="a")  # é keeps columns honest
@@ -251,8 +254,9 @@ def run(ctx, state, inputs, out): out.copy_(inputs["x"])
 def test_judge_output_with_an_untouched_mask():
     import torch
 
-    from commweave.evaluate.checks import judge_output, not_ready, poison_
-    from commweave.evaluate.verdict import FailureClass
+    from commweave.contracts.poison import poison_
+    from commweave.evaluate.checks import judge_output, not_ready
+    from commweave.contracts.verdict import FailureClass
 
     ref = torch.arange(1, 9, dtype=torch.float32)
     untouched = torch.tensor([False] * 6 + [True] * 2)

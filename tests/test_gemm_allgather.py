@@ -14,7 +14,7 @@ import torch
 
 from cuda_host import run_host_check, toolchain_or_skip
 from program_jobs import check_on_gpus
-from commweave.evaluate.program import parse_program
+from commweave.contracts.program import parse_program
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.workloads import get_workload

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cuda_host import nvcc_host_build, run_host_check, toolchain_or_skip
-from commweave.evaluate.checks import poison_
-from commweave.evaluate.program import load_program, parse_program, with_config
+from commweave.contracts.poison import poison_
+from commweave.contracts.program import load_program, parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.workloads.kv_transfer.workload import KvTransfer, pair_of

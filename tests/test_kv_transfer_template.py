@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from commweave.evaluate.program import load_program
+from commweave.contracts.program import load_program
 from commweave.space.template import program_body
-from commweave.workloads.kv_transfer.template import make_template
+from commweave.workloads import get_workload
 from template_samples import renderable_samples
 
-TEMPLATE = make_template()
+TEMPLATE = get_workload("kv-transfer").template()
 SHAPE = TEMPLATE.default_shape(4)
 
 
 def test_seed_rendering_is_the_seed():
     assert TEMPLATE.check(TEMPLATE.seed_directives(), 4) == []
     rendered = TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)
-    assert load_program(rendered).CONFIG == load_program(TEMPLATE.wl.program_text("seed")).CONFIG
+    assert load_program(rendered).CONFIG == load_program(TEMPLATE.workload.program_text("seed")).CONFIG
 
 
 def test_rejects_what_it_does_not_implement():
@@ -51,14 +51,14 @@ def test_comm_ctas_set_the_knob_of_the_shape():
     (`pull_ctas`, pull mode) or the pushing ones taken from the GEMMs (`prefill_ctas`, push mode);
     transfer-only shapes set `ctas` and push every layer in one launch, so chunk bytes render
     nothing there."""
-    seed = load_program(TEMPLATE.wl.program_text("seed")).CONFIG
+    seed = load_program(TEMPLATE.workload.program_text("seed")).CONFIG
     ds = TEMPLATE.seed_directives().with_(comm_ctas=96, chunk_bytes=128 << 20, knobs={"unroll": 8})
     prefill = load_program(TEMPLATE.render(ds, SHAPE, 2)).CONFIG
     got = (prefill["pull_ctas"], prefill["layers_per_launch"], prefill["ctas"], prefill["prefill_ctas"], prefill["unroll"])
     assert got == (96, 4, seed["ctas"], seed["prefill_ctas"], 8)
     pushing = load_program(TEMPLATE.render(ds.with_(knobs={"prefill_mode": "push"}), SHAPE, 2)).CONFIG
     assert (pushing["prefill_ctas"], pushing["pull_ctas"], pushing["prefill_mode"]) == (96, seed["pull_ctas"], "push")
-    transfer_shape = TEMPLATE.wl.make_shape(8192, 2)
+    transfer_shape = TEMPLATE.workload.make_shape(8192, 2)
     transfer = load_program(TEMPLATE.render(ds, transfer_shape, 2)).CONFIG
     got = (transfer["ctas"], transfer["prefill_ctas"], transfer["layers_per_launch"])
     assert got == (96, seed["prefill_ctas"], seed["layers_per_launch"])

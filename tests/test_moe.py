@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from cuda_host import nvcc_host_build, run_host_check, toolchain_or_skip
 from program_jobs import check_on_gpus
 from commweave.evaluate.floor import MachineRates, floor_s
-from commweave.evaluate.program import parse_program, with_config
+from commweave.contracts.program import parse_program, with_config
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.workloads.moe import routing
@@ -600,7 +600,7 @@ def test_cascade_on_cpu(wl: MoELayer, cpu_pool: WorkerPool) -> None:
 
 # -- template -------------------------------------------------------------------------------------
 def test_template(wl: MoELayer) -> None:
-    from commweave.evaluate.program import load_program
+    from commweave.contracts.program import load_program
     from commweave.space.template import directives_of
 
     template = wl.template()
@@ -627,24 +627,24 @@ def test_template(wl: MoELayer) -> None:
 def test_template_admits_fp8_dispatch_under_moe_lossy_only(wl: MoELayer) -> None:
     """moe (bf16 tolerance) admits no compression; moe-lossy declares 4 % and admits E4M3, which its
     template renders into the seed's CONFIG with the group size; E5M2 and groups outside 32..512 not."""
-    from commweave.evaluate.program import load_program
+    from commweave.contracts.program import load_program
 
     seed = wl.template().seed_directives()
     e4m3 = seed.with_(compression="fp8_e4m3", group_size=128)
     assert any("declares no tolerance" in w or "is not admitted" in w for w in wl.template().check(e4m3, 4))
     lossy = MoELayerLossy().template()
-    assert lossy.workload == "moe-lossy" and lossy.space(4).admitted_compressions() == ("none", "fp8_e4m3")
+    assert lossy.workload.name == "moe-lossy" and lossy.space(4).admitted_compressions() == ("none", "fp8_e4m3")
     assert lossy.check(e4m3, 4) == []
     config = load_program(lossy.render(e4m3.with_(group_size=64), lossy.default_shape(4), 4)).CONFIG
     assert (config["compression"], config["group_size"]) == ("fp8_e4m3", 64)
     assert load_program(lossy.render(seed, lossy.default_shape(4), 4)).CONFIG["compression"] == "none"
     assert any("0.072" in w for w in lossy.check(e4m3.with_(compression="fp8_e5m2"), 4))
-    assert any("group_size in 0, 32, 64, 128, 256, 512 only" in w for w in lossy.check(e4m3.with_(group_size=1024), 4))
+    assert any("group_size must be one of 32, 64, 128, 256, 512" in w for w in lossy.check(e4m3.with_(group_size=1024), 4))
 
 
 def test_seed_refuses_a_bad_compression_config(wl: MoELayer) -> None:
     """CONFIG `compression` and `group_size` are checked in setup, before anything is allocated."""
-    from commweave.evaluate.program import load_program
+    from commweave.contracts.program import load_program
 
     class Ctx:  # setup reads only the world size and rank before its checks
         world_size, rank = 2, 0

@@ -16,14 +16,14 @@ from typer.testing import CliRunner
 import commweave.ops as ops
 from commweave.cli import app
 from commweave.ops import runner
-from commweave.evaluate.program import ProgramError
+from commweave.contracts.program import ProgramError
 from commweave.runtime import WorkerPool
 from commweave.runtime.context import RankContext
 from commweave.search import ProgramDB
 from commweave.space import directives_of
 from commweave.space.template import DIRECTIVES_PREFIX, directives_header
 from commweave.workloads import get_workload, registry
-from commweave.workloads.gemm_allgather.template import make_template
+from commweave.workloads import get_workload
 from toy_workload import ToyGatherMatmul
 
 WORLD = 2
@@ -85,7 +85,7 @@ def test_export_writes_a_program_ops_load_runs(cpu_pool: WorkerPool, tmp_path: P
     wl = get_workload("gemm-allgather")
     run = tmp_path / "run.sqlite"
     # A run whose best program is the host baseline (with a directive line), so it runs on CPU.
-    code = directives_header(make_template().seed_directives()) + wl.program_text("host")
+    code = directives_header(get_workload("gemm-allgather").template().seed_directives()) + wl.program_text("host")
     with ProgramDB(run) as db:
         db.set_meta(workload="gemm-allgather", shape="1024x1024x512", gpus=WORLD)
         best_id = db.add_program(code=code, directives=None, island=0, generation=0, status="ok", fitness=1.25,
@@ -145,7 +145,7 @@ def test_op_runs_the_seed_on_gpus(gpu_pool: WorkerPool, workload: str, shape: st
 # -- in this process: the file format, loading, shapes from tensors ---------------------------
 def test_export_text_keeps_the_directive_line_first() -> None:
     body = "# EVOLVE-BLOCK-START\ndef setup(ctx, shape): ...\ndef run(ctx, state, inputs, out): ...\n# EVOLVE-BLOCK-END\n"
-    header = directives_header(make_template().seed_directives())
+    header = directives_header(get_workload("gemm-allgather").template().seed_directives())
     text = ops.export_text(header + body, "gemm-allgather", program_id=3)
     assert text.startswith(header) and text.endswith(body)
     again = ops.export_text(text, "moe")  # re-exporting replaces the line, never stacks them

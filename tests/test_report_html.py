@@ -10,12 +10,12 @@ import pytest
 from commweave.report.html import island_curves, write_report
 from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
 from commweave.search.simulate import SimulatedEvaluator
-from commweave.workloads.gemm_allgather.template import make_template
+from commweave.workloads import get_workload
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    t = make_template()
+    t = get_workload("gemm-allgather").template()
     path = tmp_path_factory.mktemp("rep") / "run.sqlite"
     ev = SimulatedEvaluator(t, 4, t.seed_directives().with_(comm_ctas=16, sync="chunk", chunk_bytes=2 << 20),
                             rules=[lambda ds: "timeout" if ds.comm_ctas == 32 else None,

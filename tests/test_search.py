@@ -20,9 +20,9 @@ from commweave.search.cost import predict_s
 from commweave.search.proposer import Memory, OfflineProposer
 from commweave.search.simulate import SimulatedEvaluator
 from commweave.space import DirectiveSet
-from commweave.workloads.gemm_allgather.template import make_template
+from commweave.workloads import get_workload
 
-TEMPLATE = make_template()
+TEMPLATE = get_workload("gemm-allgather").template()
 SHAPE = TEMPLATE.default_shape(4)
 OPTIMUM = TEMPLATE.seed_directives().with_(sync="chunk", comm_ctas=16, chunk_bytes=4 << 20,
                                            knobs=dict(wait="stream", threads=256))
@@ -33,7 +33,7 @@ RULES = [lambda ds: "timeout" if ds.comm_ctas == 32 else None,
 
 def evolve(path: Path, budget: int = 150, seed: int = 1, islands: int = 4, **proposer_kw) -> tuple[Evolution, SimulatedEvaluator]:
     ev = SimulatedEvaluator(TEMPLATE, 4, OPTIMUM, rules=RULES)
-    proposer = OfflineProposer(TEMPLATE, 4, TEMPLATE.wl.cost(SHAPE, 4), **proposer_kw) if proposer_kw else None
+    proposer = OfflineProposer(TEMPLATE, 4, TEMPLATE.workload.cost(SHAPE, 4), **proposer_kw) if proposer_kw else None
     search = Evolution(ProgramDB(path), TEMPLATE, ev, SHAPE, 4, Budget(evaluations=budget),
                        SearchConfig(islands=islands, seed=seed), proposer=proposer)
     search.run()
@@ -163,7 +163,7 @@ def test_parent_selection_favours_fitness_and_few_children(tmp_path):
 
 
 def test_cost_model_orders_obvious_strategies():
-    work, rates = TEMPLATE.wl.cost(SHAPE, 4), MachineRates()
+    work, rates = TEMPLATE.workload.cost(SHAPE, 4), MachineRates()
     split = DirectiveSet()
     assert predict_s(split.with_(placement="deferred", sync="peer"), work, 4, rates) > predict_s(split, work, 4, rates)
     assert predict_s(split.with_(comm_ctas=1), work, 4, rates) > predict_s(split.with_(comm_ctas=8), work, 4, rates)
@@ -171,7 +171,7 @@ def test_cost_model_orders_obvious_strategies():
 
 
 def test_proposer_never_repeats_what_memory_holds():
-    proposer = OfflineProposer(TEMPLATE, 4, TEMPLATE.wl.cost(SHAPE, 4))
+    proposer = OfflineProposer(TEMPLATE, 4, TEMPLATE.workload.cost(SHAPE, 4))
     import random
     memory, rng, parent = Memory(), random.Random(0), TEMPLATE.seed_directives()
     seen = set()
@@ -199,7 +199,7 @@ def test_one_move_switches_compression_on_where_the_tolerance_admits_it():
     assert (proposer.with_value(on, "group_size", 0).compression, proposer.with_value(on, "compression", "none").group_size) == ("none", 0)
     first = proposer.propose(seed, "exploit", Memory(), random.Random(0))
     assert first.directives.compression == "fp8_e4m3" and first.directives.group_size in (32, 64, 128, 256, 512)
-    plain = OfflineProposer(TEMPLATE, 4, TEMPLATE.wl.cost(SHAPE, 4))
+    plain = OfflineProposer(TEMPLATE, 4, TEMPLATE.workload.cost(SHAPE, 4))
     memory, rng = Memory(), random.Random(1)
     for phase in ("exploit", "explore") * 20:
         p = plain.propose(TEMPLATE.seed_directives(), phase, memory, rng)
@@ -276,8 +276,8 @@ KILLED = textwrap.dedent("""
     import sys
     from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
     from commweave.search.simulate import SimulatedEvaluator
-    from commweave.workloads.gemm_allgather.template import make_template
-    t = make_template(); shape = t.default_shape(4)
+    from commweave.workloads import get_workload
+    t = get_workload("gemm-allgather").template(); shape = t.default_shape(4)
     opt = t.seed_directives().with_(comm_ctas=16)
     ev = SimulatedEvaluator(t, 4, opt, delay_s=0.03, log=sys.argv[2])
     Evolution(ProgramDB(sys.argv[1]), t, ev, shape, 4, Budget(evaluations=400), SearchConfig(islands=3, seed=5)).run()
@@ -306,7 +306,7 @@ def test_sigkill_mid_run_loses_no_evaluated_program(tmp_path):
     lost = [k for k in evaluated if k not in stored]
     assert len(lost) <= 1 and (not lost or lost[0] == evaluated[-1])  # at most the one being committed
     before = db.count()
-    assert before >= 15
+    assert before >= 14  # the log may hold one evaluation not yet committed
     t = TEMPLATE
     ev = SimulatedEvaluator(t, 4, t.seed_directives().with_(comm_ctas=16))
     db.set_meta(budget={"evaluations": before + 10, "seconds": None})

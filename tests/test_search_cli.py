@@ -14,14 +14,14 @@ from typer.testing import CliRunner
 
 from commweave.cli import app
 from commweave.evaluate import Evaluator
-from commweave.evaluate.program import load_program
+from commweave.contracts.program import load_program
 from commweave.ops import EXPORT_PREFIX, export_info
 from commweave.runtime import WorkerPool
 from commweave.search import Budget, ProgramDB, SearchConfig
-from commweave.search.driver import evolve, run_meta, template_for
+from commweave.search.driver import evolve, plan_run, run_meta, template_for
 from commweave.search.simulate import SimulatedEvaluator
 from commweave.space import DirectiveSet, Space, Template, directives_of
-from commweave.workloads.gemm_allgather.template import make_template
+from commweave.workloads import get_workload
 from toy_workload import ToyGatherMatmul
 
 TESTS = Path(__file__).parent
@@ -34,7 +34,7 @@ def said(result) -> str:
 
 @pytest.fixture(scope="module")
 def sim_run(tmp_path_factory):
-    t = make_template()
+    t = get_workload("gemm-allgather").template()
     path = tmp_path_factory.mktemp("cli") / "run.sqlite"
     ev = SimulatedEvaluator(t, 4, t.seed_directives().with_(comm_ctas=16))
     out = io.StringIO()
@@ -60,6 +60,26 @@ def test_evolve_resume_checks_the_run(sim_run, tmp_path):
     assert missing.exit_code != 0 and "no run database" in said(missing)
 
 
+def test_a_resumed_run_keeps_its_own_settings(sim_run, tmp_path):
+    path = sim_run[0]
+    plan = plan_run("gemm-allgather", gpus=2, budget="5", islands=7, seed=3, shape="4096x4096x4096", resume=path)
+    template = get_workload("gemm-allgather").template()
+    assert plan.resumed and plan.path == path and plan.gpus == 4 and plan.shape == template.default_shape(4)
+    assert plan.budget == Budget(evaluations=12) and plan.config.islands == 2 and plan.config.seed == 0
+    assert plan.models == () and plan.config.llm_islands == 0
+    fresh = plan_run("gemm-allgather", gpus=2, budget="20m", islands=3, seed=5, runs_dir=tmp_path, stop_after="90s")
+    assert not fresh.resumed and fresh.path.parent == tmp_path and fresh.path.name.startswith("evolve-gemm-allgather-2gpu-")
+    assert (fresh.gpus, fresh.budget, fresh.config.islands, fresh.config.seed, fresh.stop_after_s) == \
+        (2, Budget(seconds=1200.0), 3, 5, 90.0)
+    for kwargs, words in [({"stop_after": "5"}, "must be a time"), ({"llm_budget": 1.0}, "need --llm MODEL"),
+                          ({"gpus": 3}, "not 3")]:
+        with pytest.raises(ValueError, match=words):
+            plan_run("gemm-allgather", **kwargs)
+    # the CLI asks for the resumed run's GPUs, not --gpus
+    result = runner.invoke(app, ["evolve", "gemm-allgather", "--gpus", "2", "--resume", str(path)])
+    assert result.exit_code != 0 and "evolve gemm-allgather --gpus 4 needs 4 CUDA GPUs" in said(result)
+
+
 def test_driver_progress_shows_best_speedup(sim_run):
     path, best, count, shown = sim_run
     assert count == 12 and best is not None
@@ -83,7 +103,7 @@ def test_report_and_export_commands(sim_run, tmp_path):
 
 
 def test_template_lookup():
-    assert template_for(make_template().wl).workload == "gemm-allgather"
+    assert template_for(get_workload("gemm-allgather")).workload.name == "gemm-allgather"
     with pytest.raises(LookupError, match="has no template"):
         template_for(ToyGatherMatmul())
 
@@ -117,10 +137,8 @@ def run(ctx, state, inputs, out):
 class ToyTemplate(Template):
     """Knob `pieces` changes the schedule; knob `scale` != 1 is a wrong program (wrong_result)."""
 
-    workload = "toy-gather-matmul"
-
     def __init__(self):
-        self.wl = ToyGatherMatmul()
+        super().__init__(ToyGatherMatmul())
 
     def space(self, world_size, capabilities=None):
         return Space(chunk_bytes_min=1 << 10, chunk_bytes_max=1 << 12, comm_ctas=(1, 2))
@@ -134,10 +152,10 @@ class ToyTemplate(Template):
         return DirectiveSet.make(comm_ctas=1, chunk_bytes=1 << 10, knobs=dict(pieces=1, scale=1.0))
 
     def default_shape(self, world_size):
-        return self.wl.make_shape(16, 8, 12)
+        return self.workload.make_shape(16, 8, 12)
 
     def render_text(self, ds, shape, world_size):
-        from commweave.evaluate.program import with_config
+        from commweave.contracts.program import with_config
 
         return with_config(TOY_TEXT, **ds.knob_dict)
 
@@ -147,7 +165,7 @@ def test_evolution_with_the_real_evaluator_on_a_cpu_pool(tmp_path):
     template = ToyTemplate()
     assert load_program(template.render(template.seed_directives(), template.default_shape(2), 2)).CONFIG["pieces"] == 1
     with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
-        evaluator = Evaluator(pool, template.wl, warmup=1, iters=5, seeds=2)
+        evaluator = Evaluator(pool, template.workload, warmup=1, iters=5, seeds=2)
         best, count, _ = evolve(tmp_path / "toy.sqlite", template, evaluator, template.default_shape(2), 2,
                              Budget(evaluations=6), SearchConfig(islands=2, seed=1))
     with ProgramDB(tmp_path / "toy.sqlite") as db:

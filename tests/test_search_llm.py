@@ -18,16 +18,16 @@ from typer.testing import CliRunner
 
 from commweave.cli import app
 from commweave.evaluate.floor import MachineRates
-from commweave.evaluate.program import with_config
+from commweave.contracts.program import with_config
 from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
 from commweave.search import prompts
 from commweave.search.db import ProgramRecord
 from commweave.search.llm_proposer import PHASES, LLMProposer, Malformed, PhasePolicy, Request
 from commweave.search.simulate import SimulatedEvaluator
 from commweave.space import DirectiveSet, program_body
-from commweave.workloads.gemm_allgather.template import make_template
+from commweave.workloads import get_workload
 
-TEMPLATE = make_template()
+TEMPLATE = get_workload("gemm-allgather").template()
 SHAPE = TEMPLATE.default_shape(4)
 SEED = TEMPLATE.seed_directives()
 SEED_TEXT = TEMPLATE.render(SEED, SHAPE, 4)

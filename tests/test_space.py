@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from commweave.evaluate.program import load_program, parse_program
+from commweave.contracts.program import load_program, parse_program
 from commweave.space import Capabilities, DirectiveSet, Space, directives_of, filter_capable
-from commweave.workloads.gemm_allgather.template import MAX_CHUNKS, make_template
+from commweave.workloads import get_workload
+from commweave.workloads.gemm_allgather.template import MAX_CHUNKS
 from template_samples import renderable_samples
 
 SPACE = Space(tolerance=0.1)
@@ -78,7 +79,7 @@ def test_prompt_describes_every_directive():
 
 
 # -- gemm-allgather's template ------------------------------------------------------------------
-TEMPLATE = make_template()
+TEMPLATE = get_workload("gemm-allgather").template()
 SHAPE = TEMPLATE.default_shape(4)
 
 
@@ -103,7 +104,7 @@ def test_template_rejects_what_it_does_not_implement():
 
 def test_template_renders_the_copy_engine_backend():
     """backend ce: comm CTAs 0 and issuer thread (the space's rules) render the seed's ce path."""
-    from commweave.evaluate.program import load_program
+    from commweave.contracts.program import load_program
 
     ce = TEMPLATE.seed_directives().with_(backend="ce", comm_ctas=0, issuer="thread")
     assert TEMPLATE.check(ce, 4) == []
@@ -116,7 +117,7 @@ def test_compression_is_admitted_by_a_declared_tolerance_and_rendered():
     """gemm-allgather (bf16 tolerance) admits no compression; gemm-allgather-lossy declares 4 %
     and admits E4M3 (expected error 0.036) but not E5M2 (0.072); its template renders E4M3 with a
     group size into the seed's CONFIG, on backend lsa with placement split only."""
-    from commweave.evaluate.program import load_program
+    from commweave.contracts.program import load_program
     from commweave.workloads import get_workload
 
     seed = TEMPLATE.seed_directives()
@@ -131,7 +132,7 @@ def test_compression_is_admitted_by_a_declared_tolerance_and_rendered():
     assert any("0.072" in w for w in lossy.check(e4m3.with_(compression="fp8_e5m2"), 4))
     for changes, reason in ((dict(backend="ce", comm_ctas=0, issuer="thread"), "backend lsa with placement split only"),
                             (dict(placement="deferred", sync="global"), "backend lsa with placement split only"),
-                            (dict(group_size=1024), "group_size in 0, 32, 64, 128, 256, 512 only")):
+                            (dict(group_size=1024), "group_size must be one of 32, 64, 128, 256, 512")):
         assert any(reason in w for w in lossy.check(e4m3.with_(**changes), 4)), (changes, lossy.check(e4m3.with_(**changes), 4))
     assert "gemm-allgather-lossy's" in " ".join(lossy.unsupported(e4m3.with_(language="triton")))
 
@@ -139,7 +140,7 @@ def test_compression_is_admitted_by_a_declared_tolerance_and_rendered():
 def test_template_renders_the_conservative_set():
     """placement deferred + sync global: the whole push, one LSA barrier, then the GEMMs
     (CONFIG overlap=False), one chunk per shard whatever the chunk bytes."""
-    from commweave.evaluate.program import load_program
+    from commweave.contracts.program import load_program
 
     ds = TEMPLATE.seed_directives().with_(placement="deferred", sync="global", chunk_bytes=1 << 20)
     assert TEMPLATE.check(ds, 4) == []
@@ -173,15 +174,13 @@ def test_rendered_sample_parses_carries_its_directives_and_compiles():
 
 def test_seed_rendering_is_the_seed():
     rendered = TEMPLATE.render(TEMPLATE.seed_directives(), SHAPE, 4)
-    assert load_program(rendered).CONFIG == load_program(TEMPLATE.wl.program_text("seed")).CONFIG
+    assert load_program(rendered).CONFIG == load_program(TEMPLATE.workload.program_text("seed")).CONFIG
 
 
 def test_templates_render_gin_only_where_the_probe_found_it():
     from commweave.space import Template
 
     class Anything(Template):
-        workload = "anything"
-
         def space(self, world_size, capabilities=None):
             return Space(capabilities=capabilities or Capabilities())
 
@@ -196,6 +195,6 @@ def test_templates_render_gin_only_where_the_probe_found_it():
 
     gin = DirectiveSet().with_(backend="gin")
     with pytest.raises(ValueError, match="no RDMA NIC"):
-        Anything().render(gin, None, 2)
-    text = Anything().render(gin, None, 2, Capabilities(True, ""))
+        Anything(get_workload("gemm-allgather")).render(gin, None, 2)
+    text = Anything(get_workload("gemm-allgather")).render(gin, None, 2, Capabilities(True, ""))
     assert directives_of(text) == gin and parse_program(text)

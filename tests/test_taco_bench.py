@@ -52,21 +52,15 @@ def test_bandwidth_variants():
     from commweave.taco.bandwidth import variant
     from commweave.taco.device import DeviceBackend
 
-    assert variant("cuda") == {"codec": "cuda", "pieces": 1, "compress_blocks": None, "fuse_barriers": False}
-    assert variant("triton-p2") == {"codec": "triton", "pieces": 2, "compress_blocks": None, "fuse_barriers": False}
-    assert variant("cuda-p4-b132") == {"codec": "cuda", "pieces": 4, "compress_blocks": 132, "fuse_barriers": False}
-    assert variant("cuda-fused") == {"codec": "cuda", "pieces": 1, "compress_blocks": None, "fuse_barriers": True}
-    for bad in ("nccl", "cuda-px", "triton-p4-b8", "cuda-p4-b", "triton-fused", "cuda-fused-p4"):
+    assert variant("cuda") == {"codec": "cuda", "fuse_barriers": False}
+    assert variant("triton") == {"codec": "triton", "fuse_barriers": False}
+    assert variant("cuda-fused") == {"codec": "cuda", "fuse_barriers": True}
+    for bad in ("nccl", "cuda-p4", "cuda-p4-b132", "triton-fused", "cuda-fused-p4"):
         with pytest.raises(ValueError, match="a variant is cuda, triton"):
             variant(bad)
-    assert DeviceBackend(**variant("cuda-p4-b132")).compress_blocks == 132
     assert DeviceBackend(**variant("cuda-fused")).fuse_barriers and not DeviceBackend(**variant("cuda")).fuse_barriers
     with pytest.raises(ValueError, match="only the CUDA codec's kernels perform barriers"):
         DeviceBackend(codec="triton", fuse_barriers=True)
-    with pytest.raises(ValueError, match="compress_blocks caps the CUDA codec"):
-        DeviceBackend(codec="triton", compress_blocks=8)
-    with pytest.raises(ValueError, match="compress_blocks caps the CUDA codec"):
-        DeviceBackend(compress_blocks=0)
 
 
 def test_codec_bench_pieces_on_cpu():
@@ -80,8 +74,8 @@ def test_codec_bench_pieces_on_cpu():
     assert q.dtype == torch.float8_e4m3fn and q.shape == (4, 128) and scale.shape == (4, 1)
     back = codec.plain_dequantize(q, scale)
     assert back.dtype == torch.bfloat16 and ((back.float() - x.float()).norm() / x.float().norm()) < 0.05
-    from commweave.evaluate.timing import L2_BYTES
+    from commweave.contracts.profile import H200
 
     for mib in (4, 16, 64, 256):
-        assert codec._sets(mib) * mib * codec.MIB * 3 // 2 >= min(2 * L2_BYTES, 16 * mib * codec.MIB * 3 // 2)
+        assert codec._sets(mib) * mib * codec.MIB * 3 // 2 >= min(2 * H200.l2_bytes, 16 * mib * codec.MIB * 3 // 2)
     assert {"legacy", "default"} <= set(codec.TUNINGS) and codec.TUNINGS["default"] == codec.cuda.Tuning()

@@ -295,7 +295,7 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
 @needs_cuda
 def test_cuda_kernels_timed_against_triton():
     """Median times (CUDA events) at 16 and 256 MiB of BF16, G=128: CUDA vs Triton (run with -s)."""
-    from commweave.evaluate.timing import cuda_median_us
+    from commweave.runtime.timers import cuda_median_us
     from commweave.taco import kernels
 
     dev = torch.device("cuda")

@@ -1,5 +1,6 @@
 """TACO compressed collectives and TP layers across processes (CPU worker pool, gloo, 2 and 4 ranks),
-against uncompressed torch collectives and a single-process reference."""
+against uncompressed torch collectives and a single-process reference; on 4 ranks also over two
+TP pairs (`group=`: a ProcessGroup, a DeviceMesh dimension)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,41 @@ def test_tp_compression_is_switchable_per_direction(pool):
         assert f["out"] == b["out"] and 0 < f["out"] < 2 * E4M3_BOUND  # same forward (two compressed collectives)
         assert f["grad_x"] < b["grad_x"]  # its backward is exact
         assert g["out"] < 1e-6 and 1e-4 < g["grad_x"] < 2 * E4M3_BOUND  # exact forward, compressed backward
+
+
+# (op, QuantConfig kwargs, shape (reduce_scatter: dim 0 per rank), dtype, seed), as tests/test_taco_device.py's
+PAIR_CASES = [("all_gather", {}, (6, 96), "float32", 1),
+              ("reduce_scatter", {"group_size": 32, "fmt": "e5m2"}, (3, 37), "float32", 2),
+              ("one_shot", {"group_size": 64, "hadamard": "adaptive"}, (5, 100), "bfloat16", 3),
+              ("two_shot", {}, (7, 33), "float32", 4),
+              ("two_shot", {"group_size": 64, "hadamard": False, "dual_scale": False}, (4, 256), "float16", 5)]
+
+
+def test_collectives_over_two_tp_pairs_equal_two_ranks_alone(pool):
+    """group= a pair's ProcessGroup, (mesh, "tp") or mesh["tp"]: every op over each pair of 4 ranks
+    gives, bit for bit, what 2 ranks alone give for that pair's inputs."""
+    if pool.world_size != 4:
+        pytest.skip("two TP pairs need 4 ranks")
+    for found in _values(pool.run("taco_jobs:subgroups_vs_pair_simulation", cases=PAIR_CASES)):
+        assert found == []
+
+
+@pytest.mark.parametrize("compression", [None, "e4m3"])
+def test_tp_mlp_over_two_pairs_matches_single_process(pool, compression):
+    """The TP layers with group=(mesh, "tp"): each pair of 4 ranks trains its own MLP, matching that
+    pair's single-process reference as a 2-rank TP group does."""
+    if pool.world_size != 4:
+        pytest.skip("two TP pairs need 4 ranks")
+    results = _values(pool.run("taco_jobs:tp_mlp_vs_reference", compression=compression, pairs=True))
+    keys = ["out", "grad_x", "grad_w1", "grad_b1", "grad_w2", "grad_b2"]
+    for r in results:
+        assert r["out_shape"] == [4, 2, 64]  # seq 8 over a TP group of 2
+        assert all(r[k] < (1e-6 if compression is None else 2 * E4M3_BOUND) for k in keys), r
+    assert results[0]["out"] != results[2]["out"] or compression is None  # each pair its own data
+
+
+def test_a_bad_group_is_refused():
+    from commweave.taco.backend import resolve_group
+
+    with pytest.raises(TypeError, match="group must be None, a ProcessGroup, a DeviceMesh or"):
+        resolve_group("tp")  # type: ignore[arg-type]

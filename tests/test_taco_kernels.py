@@ -27,7 +27,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (the kernels and their interpreter need it)")
 import triton.language as tl  # noqa: E402
 
-from commweave.evaluate.timing import cuda_median_us  # noqa: E402
+from commweave.runtime.timers import cuda_median_us  # noqa: E402
 from taco_jobs import edge_inputs, gaussian, same_bits  # noqa: E402
 from commweave.taco import kernels, quant  # noqa: E402
 from commweave.taco.quant import QuantConfig  # noqa: E402

@@ -200,3 +200,40 @@ def test_adaptive_hadamard_takes_the_better_of_both_per_group(fmt):
             again = unpack(pack(c), x.shape, x.dtype, c.config)
             assert torch.equal(decompress(again), decompress(c))  # the flag survives the wire format
     assert (errs["adaptive"] <= torch.minimum(errs[False], errs[True]) * (1 + 1e-5) + 1e-12).all()
+
+
+def test_the_taco_modules_import_one_another_without_a_circle():
+    """Every import between commweave.taco's modules (module level or inside a function) forms a
+    graph without circles: the reference does not reach the kernels, the collectives reach the
+    device backend only one way."""
+    import ast
+    from pathlib import Path
+
+    import commweave.taco
+
+    root = Path(commweave.taco.__file__).parent
+    modules = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        deps = set()
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "commweave.taco":
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("commweave.taco."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[2] for a in node.names if a.name.startswith("commweave.taco.")}
+        graph[name] = (deps & modules) - {name}
+    assert graph["quant"] == {"codec", "wire"} and "device" in graph["collectives"]  # the graph is read
+
+    def circle_from(start: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        for nxt in graph[start]:
+            if nxt in path:
+                return path[path.index(nxt):] + (nxt,)
+            found = circle_from(nxt, path + (nxt,))
+            if found:
+                return found
+        return None
+
+    circles = [c for m in sorted(modules) if (c := circle_from(m, (m,)))]
+    assert circles == [], circles

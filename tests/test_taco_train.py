@@ -110,15 +110,8 @@ def test_tiny_run_both_modes_cli(tmp_path):
     assert all(v > 0 for v in summary["median_step_s"].values())
 
 
-def test_pieces_need_the_device_backend():
-    with pytest.raises(SystemExit):
-        taco_train.parse_args(["--cpu-ranks", "2", "--tiny", "--pieces", "4"])
-    assert taco_train.parse_args(["--gpus", "2", "--backend", "device", "--pieces", "4"]).pieces == 4
-
-
-def test_graph_needs_the_device_backend_with_whole_messages():
-    for argv in (["--cpu-ranks", "2", "--tiny", "--graph"], ["--gpus", "2", "--graph"],
-                 ["--gpus", "2", "--backend", "device", "--pieces", "4", "--graph"]):
+def test_graph_needs_the_device_backend():
+    for argv in (["--cpu-ranks", "2", "--tiny", "--graph"], ["--gpus", "2", "--graph"]):
         with pytest.raises(SystemExit):
             taco_train.parse_args(argv)
     assert taco_train.parse_args(["--gpus", "2", "--backend", "device", "--graph"]).graph
@@ -149,15 +142,13 @@ def test_graph_steps_train_as_eager_steps_do(compress):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,pieces,batch", [("reference", 1, 4), ("device", 1, 4), ("device", 4, 64)])
-def test_short_training_check_on_gpus(tmp_path, backend, pieces, batch):
-    """A short run on 4 GPUs (or 2): BF16, both modes finite, learning and close; prints the summary.
-    pieces 4: the device backend's pipelined collectives (batch 64: a rank's shard of the 16 Mi
-    activation elements is 4 Mi on 4 GPUs, four pieces of the 1 Mi elements a piece needs at least)."""
+@pytest.mark.parametrize("backend,batch", [("reference", 4), ("device", 4)])
+def test_short_training_check_on_gpus(tmp_path, backend, batch):
+    """A short run on 4 GPUs (or 2): BF16, both modes finite, learning and close; prints the summary."""
     gpus = 4 if torch.cuda.device_count() >= 4 else 2
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
-    out = taco_train.main(["--gpus", str(gpus), "--backend", backend, "--pieces", str(pieces), "--steps", "40",
+    out = taco_train.main(["--gpus", str(gpus), "--backend", backend, "--steps", "40",
                            "--layers", "2", "--hidden", "512", "--heads", "8", "--seq", "512", "--batch", str(batch),
                            "--lr", "1e-3", "--max-bytes", "8000000", "--out-dir", str(tmp_path)])
     record = json.loads(Path(out["results"]).read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from commweave.workloads.base import Cost, Shape, Workload
+from commweave.contracts.workload import Cost, Shape, Workload
 
 _DIMS = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +79,8 @@ def list_workloads() -> None:
     from commweave.workloads import registry
 
     table = Table(title="workloads")
-    for col in ("name", "summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
+    table.add_column("name", no_wrap=True)  # a name is what a user types: never cut
+    for col in ("summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
         table.add_column(col)
     for name, wl in registry().items():
         programs = f"{', '.join(wl.baselines)}; {wl.seed}"
@@ -88,19 +88,6 @@ def list_workloads() -> None:
         shapes = ", ".join(labels[:6]) + (f", … ({len(labels)} in all)" if len(labels) > 6 else "")
         table.add_row(name, wl.summary, ", ".join(map(str, wl.world_sizes)), programs, shapes)
     console.print(table)
-
-
-def _cell(timing: Any) -> str:
-    if timing is None:
-        return "-"
-    if timing.verdict.ok and timing.median_us is not None:
-        return f"{timing.median_us:,.1f}"
-    return f"[red]{timing.verdict.failure}[/]"
-
-
-def _ratio(numerator: Any, denominator: Any) -> float | None:
-    ok = all(t is not None and t.verdict.ok and t.median_us for t in (numerator, denominator))
-    return numerator.median_us / denominator.median_us if ok else None
 
 
 @app.command()
@@ -114,109 +101,51 @@ def bench(
     seeds: int = typer.Option(2, "--seeds", min=2, help="fresh random inputs per correctness check"),
     job_timeout: float = typer.Option(600.0, "--job-timeout", help="seconds before a hung job is killed"),
     out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where the results JSON goes"),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu for a dry run on gloo workers (CPU programs only)"),
 ) -> None:
     """Check and time a workload's baselines and our program side by side, against the floor."""
     from rich.progress import Progress
 
-    from commweave.evaluate.evaluator import Evaluator
-    from commweave.evaluate.floor import calibrate
+    from commweave.contracts.verdict import EvaluationError
+    from commweave.evaluate.bench import BenchStep, bench_workload
+    from commweave.report.bench import comparison_table, notes
     from commweave.report.results import write_results
     from commweave.runtime import PoolStartError, WorkerPool
-    from commweave.workloads import get_workload
 
     try:
-        wl = get_workload(workload)
+        wl = _workload_named(workload)
         wl.check_world_size(gpus)
         texts = [t for item in shapes or [] for t in item.split(",") if t]
         chosen = [wl.parse_shape(text, gpus) for text in texts] if texts else wl.bench_shapes(gpus)
+        if candidate is not None and not candidate.is_file():
+            raise ValueError(f"--candidate {candidate}: no such file")
+        ours_text = candidate.read_text() if candidate is not None else wl.program_text(wl.seed)
+        programs = {name: wl.program_text(name) for name in wl.baselines} | {"ours": ours_text}
     except (KeyError, ValueError) as exc:
         _fail(str(exc).strip("'\""))
-    if candidate is not None and not candidate.is_file():
-        _fail(f"--candidate {candidate}: no such file")
-    ours_text = candidate.read_text() if candidate is not None else wl.program_text(wl.seed)
-    programs = {name: wl.program_text(name) for name in wl.baselines} | {"ours": ours_text}
-    yardsticks = {name: wl.yardstick_text(name) for name in wl.yardsticks}  # timed, never checked
-    _require_gpus(gpus, f"bench {workload} --gpus {gpus}")
-
-    rows: list[dict[str, Any]] = []
+    if device == "cuda":
+        _require_gpus(gpus, f"bench {workload} --gpus {gpus}")
+    elif device != "cpu":
+        _fail(f"--device must be cuda or cpu, not {device!r}")
     try:
-        with WorkerPool(gpus, job_timeout_s=job_timeout) as pool, Progress(console=console, transient=True) as progress:
-            task = progress.add_task("calibrating matmul, NVLink and HBM rates", total=1 + len(chosen) * 2)
-            rates = calibrate(pool)
-            evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
-                                  job_timeout_s=job_timeout)
-            progress.advance(task)
-            # Small awkward shapes once per program, then each timed shape itself.
-            small = {name: evaluator.check(text, wl.check_shapes(gpus)) for name, text in programs.items()}
-            for shape in chosen:
-                progress.update(task, description=f"{shape}: correctness")
-                verdicts = {name: evaluator.check(text, [shape]) if small[name].ok else small[name]
-                            for name, text in programs.items()}
-                progress.update(task, advance=1, description=f"{shape}: timing")
-                runnable = {n: t for n, t in programs.items() if verdicts[n].ok}
-                result = evaluator.benchmark(runnable | yardsticks, shape) if runnable else None
-                progress.advance(task)
-                rows.append({"shape": shape.label, "verdicts": {n: asdict(v) for n, v in verdicts.items()},
-                             "bench": asdict(result) if result else None, "_timings": result.programs if result else {},
-                             "_verdicts": verdicts, "floor_us": result.floor_us if result else None,
-                             "comm_bytes": wl.cost(shape, gpus).comm_bytes})
-    except PoolStartError as exc:
-        _fail(str(exc))
+        with WorkerPool(gpus, device=device, job_timeout_s=job_timeout) as pool, \
+                Progress(console=console, transient=True) as progress:
+            task = progress.add_task("starting", total=None)
 
-    table = Table(title=f"{workload} on {gpus} GPUs (median of per-iteration max over ranks, µs)")
-    table.add_column("shape")
-    for name in programs:
-        table.add_column(name, justify="right")
-    for name in yardsticks:
-        table.add_column(f"{name} (yardstick)", justify="right")
-    for name in wl.baselines:
-        table.add_column(f"ours vs {name}", justify="right")
-    for name in yardsticks:
-        table.add_column(f"{name}/ours", justify="right")
-    table.add_column("floor", justify="right")
-    table.add_column("floor/ours", justify="right")
-    for row in rows:
-        timings, verdicts = row.pop("_timings"), row.pop("_verdicts")
-        cells = [_cell(timings.get(n)) if verdicts[n].ok else f"[red]{verdicts[n].failure}[/]" for n in programs]
-        speedups = [_ratio(timings.get(b), timings.get("ours")) for b in wl.baselines]
-        ours = timings.get("ours")
-        yard_us = {n: timings[n].median_us if n in timings and timings[n].median_us else None for n in yardsticks}
-        yard_cells = [f"{t:,.1f}" if t else "-" for t in yard_us.values()]
-        fractions = {n: t / ours.median_us if t and ours is not None and ours.verdict.ok and ours.median_us else None
-                     for n, t in yard_us.items()}
-        row["yardsticks"] = {n: {"median_us": yard_us[n], "of_ours": fractions[n]} for n in yardsticks}
-        for n in wl.comm_yardsticks:
-            row["yardsticks"][n]["GBps"] = row["comm_bytes"] / yard_us[n] / 1e3 if yard_us[n] else None
-        efficiency = row["floor_us"] / ours.median_us if ours is not None and ours.verdict.ok and ours.median_us else None
-        row["speedup"] = dict(zip(wl.baselines, speedups))
-        table.add_row(row["shape"], *cells, *yard_cells, *[f"{x:.2f}x" if x else "-" for x in speedups],
-                      *[f"{x:.3f}" if x else "-" for x in fractions.values()],
-                      f"{row['floor_us']:,.1f}" if row["floor_us"] else "-", f"{efficiency:.2f}" if efficiency else "-")
-    payload = {"workload": workload, "gpus": gpus, "iters": iters, "warmup": warmup, "seeds": seeds,
-               "rates": asdict(rates), "programs": list(programs), "yardsticks": {n: list(wl.yardsticks[n]) for n in yardsticks},
-               "candidate": str(candidate) if candidate else None,
-               "rows": rows}
-    path = write_results(f"bench-{workload}-{gpus}gpu", payload, out_dir=out_dir)
-    console.print(table)
-    if yardsticks:
-        console.print(f"yardsticks ({', '.join(yardsticks)}): timed in the same job, not checked (see the workload's yardsticks)")
-    for row in rows:
-        for n in wl.comm_yardsticks:
-            gbps = row["yardsticks"][n]["GBps"]
-            if gbps:
-                console.print(f"{row['shape']}: {n} moves the slowest rank's {row['comm_bytes'] / 2**20:,.1f} MiB at "
-                              f"{gbps:,.0f} GB/s, {gbps * 1e9 / rates.link_bytes_per_s:.2f} of the measured peer-copy "
-                              f"rate ({rates.link_bytes_per_s / 1e9:,.0f} GB/s)", highlight=False)
-    for row in rows:
-        held = {n: t["memory_bytes"] for n, t in (row["bench"] or {}).get("programs", {}).items() if t.get("memory_bytes") is not None}
-        if held:
-            console.print(f"{row['shape']}: device memory per GPU beyond inputs and output (MiB): "
-                          + ", ".join(f"{n} {b / 2**20:,.0f}" for n, b in held.items()), highlight=False)
-    for row in rows:
-        for name, verdict in row["verdicts"].items():
-            if not verdict["ok"]:
-                console.print(f"{row['shape']} {name}: {verdict['failure']}: {verdict['message']}", highlight=False)
-    console.print(f"results: {path}")
+            def show(step: BenchStep) -> None:
+                progress.update(task, description=step.description, completed=step.done, total=step.total)
+
+            report = bench_workload(pool, wl, chosen, programs, yardsticks=list(wl.yardsticks), iters=iters,
+                                    warmup=warmup, seeds=seeds, job_timeout_s=job_timeout,
+                                    meta={"candidate": str(candidate) if candidate else None}, progress=show)
+    except (PoolStartError, EvaluationError) as exc:
+        _fail(str(exc))
+    path = write_results(f"bench-{wl.name}-{gpus}gpu", report.to_json(), out_dir=out_dir,
+                         provenance=report.provenance)
+    console.print(comparison_table(report))
+    for line in notes(report):
+        console.print(line, highlight=False, markup=False)
+    console.print(f"results: {path}", highlight=False)
 
 
 # -- the slow path: evolve, report, export -------------------------------------------------------
@@ -253,76 +182,28 @@ def evolve(
     continues a run killed at any moment."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from commweave.evaluate.evaluator import Evaluator
-    from commweave.evaluate.floor import calibrate
-    from commweave.evaluate.verdict import EvaluationError
-    from commweave.llm import ModelConfig, client_for, load_models, resolve_model
+    from commweave.contracts.verdict import EvaluationError
     from commweave.runtime import PoolStartError, WorkerPool
-    from commweave.search import Budget, SearchConfig
-    from commweave.search.driver import evolve as drive, new_run_path, run_meta, template_for
-    from commweave.space import Capabilities
-    from commweave.workloads import get_workload
+    from commweave.search.driver import plan_run, run_meta, run_on_pool
 
     try:
-        meta: dict[str, Any] = {}
-        if resume is not None:
-            meta = run_meta(resume)
-            if meta["workload"] != workload:
-                raise ValueError(f"{resume} is a run of {meta['workload']!r}, not {workload!r}")
-            gpus, shape, islands, seed = meta["gpus"], meta["shape"], meta["islands"], meta.get("seed", seed)
-            run_budget = Budget(**meta["budget"])
-        else:
-            run_budget = Budget.parse(budget)
-        # models first: an unknown name, a missing SDK or key is said before any GPU starts
-        if llm:
-            found = load_models(llm_config)
-            models = [resolve_model(spec, found) for spec in llm]
-        else:
-            models = [ModelConfig(**m) for m in meta.get("llm_models", [])]  # a resumed LLM run keeps its models
-            if not models and (llm_config or llm_budget is not None or llm_islands):
-                raise ValueError("--llm-config, --llm-budget and --llm-islands need --llm MODEL")
-        for model in models:
-            client_for(model)
-        if llm_islands is None:
-            llm_islands = (meta.get("config", {}).get("llm_islands") or max(1, islands // 2)) if models else 0
-        if models and not 1 <= llm_islands <= islands:
-            raise ValueError(f"--llm-islands {llm_islands} must be between 1 and the {islands} islands with --llm")
-        stop_after_s = None
-        if stop_after is not None:
-            stop_after_s = Budget.parse(stop_after).seconds
-            if stop_after_s is None:
-                raise ValueError(f"--stop-after {stop_after!r} must be a time (9m, 540s), not a number of evaluations")
-        wl = get_workload(workload)
-        wl.check_world_size(gpus)
-        template = template_for(wl)
-        chosen = wl.parse_shape(shape, gpus) if shape else template.default_shape(gpus)
+        plan = plan_run(workload, gpus=gpus, budget=budget, shape=shape, islands=islands, seed=seed, resume=resume,
+                        runs_dir=runs_dir, compile_workers=compile_workers, llm=llm or (), llm_config=llm_config,
+                        llm_budget=llm_budget, llm_islands=llm_islands, stop_after=stop_after)
     except (KeyError, ValueError, LookupError, FileNotFoundError, ImportError) as exc:
         _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
-    _require_gpus(gpus, f"evolve {workload} --gpus {gpus}")
-    path = resume if resume is not None else new_run_path(workload, gpus, runs_dir)
-    console.print(f"run: {path} ({chosen}, {gpus} GPUs, budget {run_budget.to_dict()})", highlight=False)
+    _require_gpus(plan.gpus, f"evolve {workload} --gpus {plan.gpus}")
+    path, models = plan.path, plan.models
+    console.print(f"run: {path} ({plan.shape}, {plan.gpus} GPUs, budget {plan.budget.to_dict()})", highlight=False)
     if models:
-        cap = f"${llm_budget:g}" if llm_budget is not None else "the run's" if resume is not None else "no cap"
-        console.print(f"LLM islands: {llm_islands} of {islands} ({', '.join(m.name for m in models)}; budget {cap})",
-                      highlight=False)
-    config = SearchConfig(islands=islands, compile_workers=compile_workers, seed=seed, llm_islands=llm_islands)
+        cap = f"${plan.llm_budget_usd:g}" if plan.llm_budget_usd is not None else "the run's" if plan.resumed else "no cap"
+        console.print(f"LLM islands: {plan.config.llm_islands} of {plan.config.islands} "
+                      f"({', '.join(m.name for m in models)}; budget {cap})", highlight=False)
     try:
-        with WorkerPool(gpus, job_timeout_s=job_timeout) as pool:
-            rates = calibrate(pool)
-            probe = pool.run("commweave.runtime.selftest:probe")
-            capabilities = Capabilities.from_probe(probe.values[0]) if probe.ok else \
-                Capabilities(False, f"probe failed: {probe.first_failure()}")
-            info = probe.values[0] if probe.ok else {}
-            hardware = {"GPUs": gpus, **{label: info[key] for key, label in (("gpu", "GPU"), ("nccl_loaded", "NCCL"),
-                                                                            ("lsa_size", "LSA (NVLink) team size"))
-                                         if key in info}}
-            evaluator = Evaluator(pool, wl, seeds=seeds, warmup=warmup, iters=iters, rates=rates, job_timeout_s=job_timeout)
-            columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-            with Progress(*columns, console=console) as progress:
-                best, count, paused = drive(path, template, evaluator, chosen, gpus, run_budget, config, rates=rates,
-                                            workload=wl, capabilities=capabilities, progress=progress,
-                                            stop_after_s=stop_after_s, llm_models=models, llm_budget_usd=llm_budget,
-                                            hardware=hardware)
+        with WorkerPool(plan.gpus, job_timeout_s=job_timeout) as pool, \
+                Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as progress:
+            best, count, paused = run_on_pool(plan, pool, iters=iters, warmup=warmup, seeds=seeds,
+                                              job_timeout_s=job_timeout, progress=progress)
     except (PoolStartError, EvaluationError) as exc:
         _fail(f"{exc} (every evaluated program is in {path}; continue with --resume {path})")
     except KeyboardInterrupt:
@@ -397,7 +278,8 @@ def _workload_named(name: str) -> Any:
     """A registered workload, or one given by its class as 'module:Class' (importable here and in
     the workers, constructible without arguments)."""
     from commweave.runtime.pool import resolve_function
-    from commweave.workloads import Workload, get_workload
+    from commweave.contracts.workload import Workload
+    from commweave.workloads import get_workload
 
     if ":" not in name:
         return get_workload(name)
@@ -438,7 +320,7 @@ def fast_path(
     from commweave.agents import AnalysisError, FastPath, FastPathError, analyze_program
     from commweave.evaluate.evaluator import Evaluator
     from commweave.evaluate.floor import calibrate
-    from commweave.evaluate.verdict import EvaluationError
+    from commweave.contracts.verdict import EvaluationError
     from commweave.llm import Ledger, client_for, load_models, resolve_model
     from commweave.runtime import PoolStartError, WorkerPool
 

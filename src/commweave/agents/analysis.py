@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from commweave.evaluate.program import python_ast
+from commweave.contracts.program import python_ast
 
 PYTHON_SUFFIXES = (".py",)
 CUDA_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".cxx")

@@ -30,10 +30,11 @@ from commweave.agents.analysis import ProgramAnalysis, analyze_program, analyze_
 from commweave.agents.prompts import (
     JUDGE_SYSTEM, REWRITE_SYSTEM, Feedback, WorkloadFacts, judge_prompt, rewrite_prompt,
 )
-from commweave.evaluate.verdict import Verdict
+from commweave.contracts.result import EvalResult
+from commweave.contracts.verdict import Verdict
 from commweave.llm import BudgetExceeded, LLMClient, LLMError, Message, PatchError, extract_code
 from commweave.space import DirectiveSet, Space, Template, directives_header, program_body
-from commweave.workloads.base import Shape, Workload
+from commweave.contracts.workload import Shape, Workload
 
 DEFAULT_ATTEMPTS = 3
 REWRITE_TEMPERATURE = 0.2  # correctness first: little variety between attempts
@@ -54,6 +55,8 @@ class ProgramJudge(Protocol):
     def compile(self, text: str) -> Verdict: ...
 
     def check(self, text: str) -> Verdict: ...
+
+    def evaluate(self, text: str, shape: Shape) -> EvalResult: ...
 
 
 def conservative_directives(template: Template | None, world_size: int) -> DirectiveSet:
@@ -86,7 +89,7 @@ def renderable_conservative(template: Template, world_size: int) -> tuple[Direct
                 changed = ", ".join(f"{d} {ds.get(d)}" for d in wanted.diff(ds))
                 return ds, (f"the template cannot render the conservative set ({'; '.join(reasons)}); "
                             f"rendered the nearest it implements: {changed}")
-    raise FastPathError(f"{template.workload}'s template renders no conservative set: {'; '.join(reasons)}")
+    raise FastPathError(f"{template.workload.name}'s template renders no conservative set: {'; '.join(reasons)}")
 
 
 @dataclass
@@ -340,11 +343,8 @@ class FastPath:
     def _benchmark(self, result: FastPathResult, shape: Shape) -> None:
         """The final program checked on `shape` too and timed beside the workload's baselines
         (needs the real Evaluator's `evaluate`)."""
-        evaluate = getattr(self.evaluator, "evaluate", None)
-        if evaluate is None:
-            raise FastPathError("benchmarking needs an evaluator with evaluate(text, shape), such as commweave's Evaluator")
         assert result.program is not None
-        ev = evaluate(result.program, shape)
+        ev = self.evaluator.evaluate(result.program, shape)
         result.evaluation = {
             "shape": ev.shape, "fitness": ev.fitness, "baseline": ev.baseline, "verdict": asdict(ev.verdict),
             "median_us": ev.candidate.median_us if ev.candidate is not None else None,

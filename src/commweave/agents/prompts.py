@@ -18,7 +18,7 @@ import torch
 
 from commweave.agents.analysis import ProgramAnalysis
 from commweave.space import DirectiveSet
-from commweave.workloads.base import Workload
+from commweave.contracts.workload import Workload
 
 MAX_ERROR_CHARS = 3000  # of a failure's message and traceback in a prompt
 

@@ -14,29 +14,17 @@ from dataclasses import dataclass, field
 
 from commweave.evaluate.floor import MachineRates, below_floor, floor_s
 from commweave.evaluate.jobs import RankBench, resolve_workload, workload_ref
-from commweave.evaluate.program import ProgramError, parse_program
-from commweave.evaluate.timing import BenchResult, ProgramTiming, summarize
-from commweave.evaluate.verdict import EvaluationError, FailureClass, Verdict, merge_rank_verdicts
+from commweave.contracts.program import ProgramError, parse_program
+from commweave.evaluate.timing import summarize
+from commweave.contracts.result import BenchResult, EvalResult, ProgramTiming
+from commweave.contracts.verdict import EvaluationError, FailureClass, Verdict, merge_rank_verdicts
 from commweave.runtime.compile import CompileError, compile_cubin
 from commweave.runtime.pool import JobResult, WorkerPool
-from commweave.workloads.base import Shape, Workload
+from commweave.contracts.workload import Shape, Workload
 
 CHECK_JOB = "commweave.evaluate.jobs:check_program"
 BENCH_JOB = "commweave.evaluate.jobs:bench_programs"
 CANDIDATE = "candidate"  # the candidate's name in a benchmark beside the baselines
-
-
-@dataclass
-class EvalResult:
-    """A candidate's full evaluation on one shape (times in microseconds)."""
-
-    fitness: float  # baseline median / candidate median; 0 on every failure path
-    verdict: Verdict  # the candidate's: its first failure, or passed
-    shape: str
-    candidate: ProgramTiming | None = None
-    baseline: str | None = None  # the baseline the fitness is relative to
-    baselines: dict[str, ProgramTiming] = field(default_factory=dict)  # every baseline: timed, failed or unavailable
-    floor_us: float | None = None
 
 
 def job_failure(result: JobResult) -> Verdict:
@@ -96,6 +84,11 @@ class Evaluator:
         return self.pool.world_size
 
     # -- stages ---------------------------------------------------------------------------------
+    @staticmethod
+    def compile_source(source: str) -> object:
+        """nvcc for one CUDA source into the disk cache the workers read (the search runs it ahead)."""
+        return compile_cubin(source)
+
     def compile(self, text: str) -> Verdict:
         """Parse, then compile every CUDA source (never executes the program)."""
         try:

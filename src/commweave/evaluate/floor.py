@@ -10,18 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commweave.evaluate.verdict import EvaluationError, FailureClass, Verdict
+from commweave.contracts.profile import H200
+from commweave.contracts.verdict import EvaluationError, FailureClass, Verdict
 from commweave.runtime.pool import WorkerPool
-from commweave.workloads.base import Cost
+from commweave.contracts.workload import Cost
 
 FLOOR_MARGIN = 0.1  # a median within 10% under the floor is timing noise; further under is suspect
 
 
 @dataclass(frozen=True)
 class MachineRates:
-    matmul_flops_per_s: float = 790e12  # bf16 cuBLAS, 8192^3, random data (H200)
-    link_bytes_per_s: float = 394e9  # peer copy GPU0 -> GPU1 over NVLink (copy engine)
-    hbm_bytes_per_s: float = 4.0e12  # device-to-device copy, reads + writes counted
+    """What the machine achieves, measured by `calibrate`; the profile's figures until then."""
+
+    matmul_flops_per_s: float = H200.matmul_flops_per_s
+    link_bytes_per_s: float = H200.link_bytes_per_s
+    hbm_bytes_per_s: float = H200.hbm_bytes_per_s
 
 
 def floor_s(cost: Cost, rates: MachineRates) -> float:

@@ -26,12 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.checks import judge_output, modified_inputs, not_ready, poison_
-from commweave.evaluate.program import load_program, unavailable_reason
-from commweave.evaluate.timing import gated_seconds, input_sets_for, interleaved_schedule
-from commweave.evaluate.verdict import FailureClass, HarnessError, Verdict, WorkloadError
+from commweave.contracts.context import ProgramContext
+from commweave.contracts.poison import poison_
+from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
+from commweave.contracts.program import load_program, unavailable_reason
+from commweave.evaluate.timing import input_sets_for, interleaved_schedule
+from commweave.runtime.timers import gated_seconds
+from commweave.contracts.verdict import FailureClass, HarnessError, Verdict, WorkloadError
 from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
-from commweave.workloads.base import Shape, Workload
+from commweave.contracts.workload import Shape, Workload
 
 _GROUP: Any = None  # this worker's harness group, created by the first job every rank runs
 
@@ -117,7 +120,7 @@ class _Steps:
         return int(flag.item()) == 0
 
 
-def _load(ctx: Any, steps: _Steps, text: str, name: str) -> Any:
+def _load(ctx: ProgramContext, steps: _Steps, text: str, name: str) -> Any:
     """Load a program and ask whether it can run here; all ranks agree on the outcome."""
     program = steps.attempt("loading the program", load_program, text, name)
     if steps.agree():
@@ -127,14 +130,14 @@ def _load(ctx: Any, steps: _Steps, text: str, name: str) -> Any:
     return program
 
 
-def _teardown(ctx: Any, steps: _Steps, program: Any, state: Any) -> None:
+def _teardown(ctx: ProgramContext, steps: _Steps, program: Any, state: Any) -> None:
     teardown = getattr(program, "teardown", None)
     if teardown is not None:
         steps.attempt("teardown()", teardown, ctx, state)
 
 
 # -- correctness ----------------------------------------------------------------------------------
-def check_program(ctx: Any, workload: str, text: str, name: str, shapes: list[Shape], seeds: list[int]) -> Verdict:
+def check_program(ctx: ProgramContext, workload: str, text: str, name: str, shapes: list[Shape], seeds: list[int]) -> Verdict:
     """Every shape: setup once, then one run per seed on fresh inputs (consecutive runs on one
     state, so an output cached from an earlier call fails), each judged on every rank."""
     _harness_group()
@@ -150,7 +153,7 @@ def check_program(ctx: Any, workload: str, text: str, name: str, shapes: list[Sh
     return Verdict.passed(f"{len(seeds)} seeds on {len(shapes)} shapes: {', '.join(s.label for s in shapes)}")
 
 
-def _check_shape(ctx: Any, wl: Workload, program: Any, steps: _Steps, shape: Shape, seeds: list[int]) -> bool:
+def _check_shape(ctx: ProgramContext, wl: Workload, program: Any, steps: _Steps, shape: Shape, seeds: list[int]) -> bool:
     state = steps.attempt("setup()", program.setup, ctx, shape)
     set_up = steps.agree()
     if set_up:
@@ -165,7 +168,7 @@ def _check_shape(ctx: Any, wl: Workload, program: Any, steps: _Steps, shape: Sha
     return steps.agree()
 
 
-def harness_output(ctx: Any, wl: Workload, shape: Shape) -> torch.Tensor:
+def harness_output(ctx: ProgramContext, wl: Workload, shape: Shape) -> torch.Tensor:
     """This rank's output buffer as the harness makes it, for checks, benchmarks and tests alike.
 
     With `wl.symmetric_output` on a CUDA pool it lies in a symmetric window (`ctx.symmetric`), so a
@@ -183,20 +186,20 @@ def harness_output(ctx: Any, wl: Workload, shape: Shape) -> torch.Tensor:
     return storage[:nbytes].view(like.dtype).view(like.shape)
 
 
-def _fresh_case(wl: Workload, shape: Shape, ctx: Any, seed: int) -> tuple[dict, dict, torch.Tensor]:
+def _fresh_case(wl: Workload, shape: Shape, ctx: ProgramContext, seed: int) -> tuple[dict, dict, torch.Tensor]:
     inputs = wl.make_inputs(shape, ctx.world_size, ctx.rank, seed, ctx.device)
     pristine = {k: v.clone() for k, v in inputs.items()}
     out = poison_(harness_output(ctx, wl, shape))
     return inputs, pristine, out
 
 
-def _run_synchronized(ctx: Any, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> None:
+def _run_synchronized(ctx: ProgramContext, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> None:
     """A run, then a device-wide sync: the run's work on every stream counts as its own."""
     program.run(ctx, state, dict(inputs), out)
     ctx.synchronize()
 
 
-def _check_seed(ctx: Any, wl: Workload, program: Any, state: Any, steps: _Steps, shape: Shape, seed: int) -> None:
+def _check_seed(ctx: ProgramContext, wl: Workload, program: Any, state: Any, steps: _Steps, shape: Shape, seed: int) -> None:
     inputs, pristine, out = steps.harness("make_inputs()/make_output()", _fresh_case, wl, shape, ctx, seed)
     steps.attempt("run()", _run_synchronized, ctx, program, state, inputs, out)
     if not steps.ok:
@@ -223,7 +226,7 @@ class RankBench:
     memory: dict[str, int] = field(default_factory=dict)  # CUDA: bytes a program holds plus its peak in a call
 
 
-def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torch.Tensor,
+def _timed_iteration(ctx: ProgramContext, program: Any, state: Any, inputs: dict, out: torch.Tensor,
                      untouched: torch.Tensor | None) -> tuple[float, bool]:
     """(seconds, output ready at the end of the timed region). Poisoning happens before the timed
     region; all ranks start it together (a device-side barrier on GPUs). On GPUs the stream is held
@@ -241,14 +244,14 @@ def _timed_iteration(ctx: Any, program: Any, state: Any, inputs: dict, out: torc
     return seconds, not bool(not_ready(out, untouched))
 
 
-def _held_bytes(ctx: Any) -> int:
+def _held_bytes(ctx: ProgramContext) -> int:
     """Device memory held right now: torch's allocated tensors and the symmetric windows in use."""
     if not ctx.is_cuda:
         return 0
     return torch.cuda.memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
 
 
-def _call_peak_bytes(ctx: Any, name: str, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> int:
+def _call_peak_bytes(ctx: ProgramContext, name: str, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> int:
     """What two calls of a set-up program add at their peak and keep (workspaces, graph pools):
     counted once per program, before the interleaved warm-up, every rank in the same order."""
     torch.cuda.synchronize(ctx.device)
@@ -264,7 +267,7 @@ def _call_peak_bytes(ctx: Any, name: str, program: Any, state: Any, inputs: dict
     return max(peak - before, _held_bytes(ctx) - before, 0)
 
 
-def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
+def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
                    seed: int) -> RankBench:
     """Time `programs` side by side on `shape`: set each up once, rotate input sets (past 2x L2),
     warm up on every input set (at least `warmup` iterations: a program that caches per input
@@ -321,7 +324,7 @@ def bench_programs(ctx: Any, workload: str, programs: dict[str, str], shape: Sha
     return result
 
 
-def _input_sets(ctx: Any, wl: Workload, shape: Shape, seed: int, steps: _Steps) -> list[tuple[int, dict]]:
+def _input_sets(ctx: ProgramContext, wl: Workload, shape: Shape, seed: int, steps: _Steps) -> list[tuple[int, dict]]:
     """(seed, inputs) pairs; every rank uses the same count, so set i has the same seed everywhere."""
     first = steps.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seed, ctx.device)
     count = torch.tensor([input_sets_for(sum(t.numel() * t.element_size() for t in first.values()))])
@@ -333,7 +336,7 @@ def _input_sets(ctx: Any, wl: Workload, shape: Shape, seed: int, steps: _Steps) 
     return sets
 
 
-def _iteration(ctx: Any, name: str, i: int, program: Any, state: Any, inputs: dict, out: torch.Tensor,
+def _iteration(ctx: ProgramContext, name: str, i: int, program: Any, state: Any, inputs: dict, out: torch.Tensor,
                untouched: torch.Tensor | None) -> tuple[float, bool]:
     """One timed run; any exception aborts the job, named after the program (peers cannot be
     released from the barrier they wait in, so the pool restarts)."""
@@ -343,13 +346,13 @@ def _iteration(ctx: Any, name: str, i: int, program: Any, state: Any, inputs: di
         raise _run_failure(ctx, name, f"benchmark iteration {i}", exc) from exc
 
 
-def _run_failure(ctx: Any, name: str, when: str, exc: Exception) -> Exception:
+def _run_failure(ctx: ProgramContext, name: str, when: str, exc: Exception) -> Exception:
     """The error that aborts a benchmark job when a program's run() raised."""
     text = f"program {name!r}, {when}: run() raised {type(exc).__name__}: {exc} (rank {ctx.rank})"
     return StickyCudaError(text) if is_sticky_cuda_error(text) else RuntimeError(text)
 
 
-def _bench_verdict(ctx: Any, wl: Workload, name: str, shape: Shape, out: torch.Tensor, ref: torch.Tensor,
+def _bench_verdict(ctx: ProgramContext, wl: Workload, name: str, shape: Shape, out: torch.Tensor, ref: torch.Tensor,
                    untouched: torch.Tensor | None, seed: int, unready: int, iters: int) -> Verdict:
     steps = _Steps(ctx.rank, shape.label)
     if unready:
@@ -363,7 +366,7 @@ def _bench_verdict(ctx: Any, wl: Workload, name: str, shape: Shape, out: torch.T
 
 
 # -- calibration ----------------------------------------------------------------------------------
-def _best_seconds(ctx: Any, fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
+def _best_seconds(ctx: ProgramContext, fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
     """The fastest of `reps` runs (the machine's best rate gives the lowest, safest floor)."""
     for _ in range(warmup):
         fn()
@@ -383,7 +386,7 @@ def _best_seconds(ctx: Any, fn: Callable[[], Any], reps: int = 10, warmup: int =
     return best
 
 
-def _matmul_flops_per_s(ctx: Any) -> float:
+def _matmul_flops_per_s(ctx: ProgramContext) -> float:
     n = 8192 if ctx.is_cuda else 512
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
     a, b = (torch.randn(n, n, device=ctx.device).to(dtype) for _ in range(2))
@@ -391,11 +394,11 @@ def _matmul_flops_per_s(ctx: Any) -> float:
     return 2.0 * n**3 / _best_seconds(ctx, lambda: torch.mm(a, b, out=c))
 
 
-def _copy_bytes_per_s(ctx: Any, src: torch.Tensor, dst: torch.Tensor, counted_bytes: int) -> float:
+def _copy_bytes_per_s(ctx: ProgramContext, src: torch.Tensor, dst: torch.Tensor, counted_bytes: int) -> float:
     return counted_bytes / _best_seconds(ctx, lambda: dst.copy_(src))
 
 
-def calibrate_rates(ctx: Any) -> dict[str, float | None]:
+def calibrate_rates(ctx: ProgramContext) -> dict[str, float | None]:
     """matmul FLOP/s (bf16 cuBLAS on GPUs), HBM bytes/s (a device copy, reads + writes), and peer
     link bytes/s (rank 0 copies to the next GPU with `copy_`; on CPU, a gloo broadcast)."""
     group = _harness_group()

@@ -27,41 +27,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.program import load_program, parse_program, unavailable_reason
+from commweave.contracts.program import load_program, parse_program, unavailable_reason
 from commweave.ops.exported import export_info
-from commweave.runtime.context import RankContext
+from commweave.runtime.default import close_context, context, current_context
 from commweave.runtime.launch import on_device
-from commweave.workloads import Shape, Workload, get_workload
+from commweave.contracts.workload import Shape, Workload
+from commweave.workloads import get_workload
 
 #: a program: None (the workload's seed), one of its program names, or a program file's path
 ProgramSpec = str | os.PathLike | None
 
-_context: RankContext | None = None
 _modules: dict[str, types.ModuleType] = {}  # program text digest -> loaded module
 _states: dict[tuple[Any, ...], tuple[types.ModuleType, Any]] = {}  # (workload, digest, shape) -> (module, state)
 _warned: set[str] = set()  # workloads whose seed fallback was announced
 
 
-def context(device: torch.device | str | None = None) -> RankContext:
-    """This process's RankContext over the default process group, created at first use (a
-    collective: every rank's first op call makes it together) and kept until `close()`."""
-    global _context
-    wanted = _normalized(device) if device is not None else None
-    if _context is None:
-        _context = RankContext.from_process_group(wanted)
-    elif wanted is not None and wanted != _context.device:
-        raise ValueError(f"commweave.ops runs on one device per process: its context is on {_context.device}, "
-                         f"these tensors are on {wanted}")
-    return _context
-
-
 def close() -> None:
     """Collective: tear down every program's state and this process's context (NCCL communicator,
     windows). Call it on every rank before `destroy_process_group()`; a later op call starts over."""
-    global _context
-    if _context is None:
+    ctx = current_context()
+    if ctx is None:
         return
-    ctx, _context = _context, None
     try:
         for module, state in _states.values():
             teardown = getattr(module, "teardown", None)
@@ -69,16 +55,7 @@ def close() -> None:
                 teardown(ctx, state)
     finally:
         _states.clear()
-        ctx.close()
-        if dist.is_initialized():
-            dist.destroy_process_group(ctx.cpu_group)
-
-
-def _normalized(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+        close_context()
 
 
 def _loaded(text: str, name: str) -> tuple[types.ModuleType, str]:

@@ -84,3 +84,28 @@ def compile_host_library(source: str) -> CompiledArtifact:
     flags = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", f"-I{nccl.include_dir}")
     tail = (f"-L{nccl.lib_dir}", f"-l:{nccl.library.name}", "-Xlinker", f"-rpath,{nccl.lib_dir}")
     return _run_nvcc(source, "hostlib", flags, ".so", tail)
+
+
+def artifact_files(sources: dict[str, str]) -> dict[str, bytes]:
+    """The cached cubins of `sources` (compiled here, or already), as cache-relative paths to
+    bytes: what travels with a job to another node, whose own cache may not have them."""
+    files: dict[str, bytes] = {}
+    for source in sources.values():
+        artifact = compile_cubin(source)
+        files[str(artifact.path.relative_to(cache_dir()))] = artifact.path.read_bytes()
+    return files
+
+
+def install_artifacts(files: dict[str, bytes]) -> None:
+    """Put shipped artefacts into this node's cache (atomically; an existing file is kept)."""
+    root = cache_dir().resolve()
+    for relative, data in files.items():
+        target = (root / relative).resolve()
+        if root not in target.parents:
+            raise ValueError(f"artefact path {relative!r} leaves the compile cache")
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
+        staged.write_bytes(data)
+        staged.replace(target)

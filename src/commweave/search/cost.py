@@ -10,9 +10,8 @@ workload's `cost()`. Terms:
   FP8 compression halves the payload (plus one scale per group) and adds a quantisation pass;
 - computation: FLOPs at the matmul rate on the SMs left over by communication CTAs, plus a launch
   per piece the computation is cut into, plus with compression the codec's passes on those SMs
-  (compressing the own shard, decompressing what arrives, at the HBM rate): on 2 H200s, where the
-  BF16 gather already hid behind the GEMM, FP8 measured slower, and a model without this term
-  ranked it faster;
+  (compressing the own shard, decompressing what arrives, at the HBM rate), so compression ranks
+  slower where the uncompressed exchange already hides behind the computation;
 - placement: deferred adds them; split/fused overlap them, except the part of the shorter one that
   cannot hide (one piece's worth).
 Template knobs are not modelled: the measured database ranks them.
@@ -22,12 +21,11 @@ from __future__ import annotations
 
 import math
 
+from commweave.contracts.profile import H200
 from commweave.evaluate.floor import MachineRates
 from commweave.space import DirectiveSet
-from commweave.workloads.base import Cost
+from commweave.contracts.workload import Cost
 
-SMS = 132  # H200 streaming multiprocessors
-SM_STORE_CAP = 0.66  # fraction of the copy-engine link rate LSA stores reached (seed: ~260 of 394 GB/s)
 PER_CTA_SHARE = 0.085  # fraction of the link rate one CTA's stores reach
 ISSUER_WIDTH = {"thread": 0.5, "warp": 0.8, "cta": 1.0}
 SIGNAL_S = 2e-6  # one chunk's signal + wait
@@ -45,7 +43,7 @@ def comm_time_s(ds: DirectiveSet, cost: Cost, world_size: int, rates: MachineRat
     if ds.backend == "ce":
         bandwidth = rates.link_bytes_per_s
     else:
-        bandwidth = rates.link_bytes_per_s * min(SM_STORE_CAP, ds.comm_ctas * PER_CTA_SHARE * ISSUER_WIDTH[ds.issuer])
+        bandwidth = rates.link_bytes_per_s * min(H200.sm_store_share, ds.comm_ctas * PER_CTA_SHARE * ISSUER_WIDTH[ds.issuer])
     shard = cost.comm_bytes / max(world_size - 1, 1)
     chunks = 1 if ds.sync in ("global", "peer") else max(1, math.ceil(shard / ds.chunk_bytes))
     return payload / bandwidth + extra + chunks * max(world_size - 1, 1) * SIGNAL_S, chunks
@@ -64,9 +62,9 @@ def codec_time_s(ds: DirectiveSet, cost: Cost, world_size: int, rates: MachineRa
 def predict_s(ds: DirectiveSet, cost: Cost, world_size: int, rates: MachineRates) -> float:
     """Predicted time of one call."""
     t_comm, chunks = comm_time_s(ds, cost, world_size, rates)
-    sms_left = SMS if ds.backend == "ce" else max(SMS - ds.comm_ctas, 1)
+    sms_left = H200.sms if ds.backend == "ce" else max(H200.sms - ds.comm_ctas, 1)
     pieces = 1 + chunks * max(world_size - 1, 0)
-    t_comp = cost.flops / rates.matmul_flops_per_s * SMS / sms_left + pieces * LAUNCH_S
+    t_comp = cost.flops / rates.matmul_flops_per_s * H200.sms / sms_left + pieces * LAUNCH_S
     t_comp = max(t_comp, cost.memory_bytes / rates.hbm_bytes_per_s)
     if ds.compression != "none":
         t_comp += codec_time_s(ds, cost, world_size, rates)

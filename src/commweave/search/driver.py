@@ -1,15 +1,20 @@
-"""Starting or resuming a run: the workload's template, the run's database file, a progress bar.
+"""Starting or resuming a run: what it runs (`plan_run`: a new run's arguments, or a resumed run's
+database, reconciled here and nowhere else before the search starts), the run's database file, the
+machine's facts and a progress bar.
 
-`commweave evolve` is this plus a GPU pool and the real Evaluator; anything with
-`evaluate(text, shape)` can drive it (the tests use the simulated evaluator on a CPU).
+`commweave evolve` is `plan_run`, a pool, then `run_on_pool`; anything with `evaluate(text, shape)`
+can drive `evolve` (the tests use the simulated evaluator on a CPU).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from commweave.contracts.workload import Shape
+from commweave.llm import ModelConfig, client_for, load_models, resolve_model
 from commweave.search.db import ProgramDB
 from commweave.search.evolve import Budget, Evolution, SearchConfig
 from commweave.space import Template
@@ -39,7 +44,7 @@ def run_meta(path: Path) -> dict[str, Any]:
 
 
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
-           config: SearchConfig, *, rates: Any = None, workload: Any = None, capabilities: Any = None,
+           config: SearchConfig, *, rates: Any = None, capabilities: Any = None,
            progress: Any = None, stop_after_s: float | None = None, llm_models: Sequence[Any] = (),
            llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
@@ -58,10 +63,99 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
             progress.update(task, completed=min(search.fraction(), 1.0) * 1000,
                             description=f"{search.phase()} · {search.evaluated} evaluated · {what}{spent}")
 
-        search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates, workload=workload,
+        search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates,
                            capabilities=capabilities, on_result=on_result, llm_models=llm_models,
                            llm_budget_usd=llm_budget_usd, hardware=hardware)
         if progress is not None:
             task = progress.add_task("starting", total=1000)
         best = search.run(stop_after_s)
         return best, db.count(), search.paused()
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run searches, where it is stored and with which models: a new run's arguments, or a
+    resumed run's own settings (its database's metadata wins over the arguments)."""
+
+    path: Path
+    template: Template
+    shape: Shape
+    gpus: int
+    budget: Budget
+    config: SearchConfig
+    models: tuple[ModelConfig, ...] = ()
+    llm_budget_usd: float | None = None  # None: the resumed run's cap, else none
+    stop_after_s: float | None = None
+    resumed: bool = False
+
+
+def plan_run(workload: str, *, gpus: int = 4, budget: str = "200", shape: str | None = None, islands: int = 4,
+             seed: int = 0, resume: Path | None = None, runs_dir: Path = RUNS_DIR, compile_workers: int = 8,
+             llm: Sequence[str] = (), llm_config: Path | None = None, llm_budget: float | None = None,
+             llm_islands: int | None = None, stop_after: str | None = None) -> RunPlan:
+    """The run `commweave evolve` asked for. With `resume`, the run's workload must be `workload`,
+    and its GPUs, shape, islands, seed, budget (and models and LLM islands, unless `llm` names new
+    models) replace the arguments. Every bad argument is a ValueError (KeyError for an unknown
+    workload, LookupError for one without a template, FileNotFoundError for a missing database,
+    ImportError for a missing LLM SDK), raised before any GPU starts."""
+    from commweave.workloads import get_workload
+
+    meta: dict[str, Any] = {}
+    if resume is not None:
+        meta = run_meta(resume)
+        if meta["workload"] != workload:
+            raise ValueError(f"{resume} is a run of {meta['workload']!r}, not {workload!r}")
+        gpus, shape, islands, seed = meta["gpus"], meta["shape"], meta["islands"], meta.get("seed", seed)
+        run_budget = Budget(**meta["budget"])
+    else:
+        run_budget = Budget.parse(budget)
+    # models first: an unknown name, a missing SDK or key is said before any GPU starts
+    if llm:
+        found = load_models(llm_config)
+        models = [resolve_model(spec, found) for spec in llm]
+    else:
+        models = [ModelConfig(**m) for m in meta.get("llm_models", [])]  # a resumed LLM run keeps its models
+        if not models and (llm_config or llm_budget is not None or llm_islands):
+            raise ValueError("--llm-config, --llm-budget and --llm-islands need --llm MODEL")
+    for model in models:
+        client_for(model)
+    if llm_islands is None:
+        llm_islands = (meta.get("config", {}).get("llm_islands") or max(1, islands // 2)) if models else 0
+    if models and not 1 <= llm_islands <= islands:
+        raise ValueError(f"--llm-islands {llm_islands} must be between 1 and the {islands} islands with --llm")
+    stop_after_s = None
+    if stop_after is not None:
+        stop_after_s = Budget.parse(stop_after).seconds
+        if stop_after_s is None:
+            raise ValueError(f"--stop-after {stop_after!r} must be a time (9m, 540s), not a number of evaluations")
+    wl = get_workload(workload)
+    wl.check_world_size(gpus)
+    template = template_for(wl)
+    chosen = wl.parse_shape(shape, gpus) if shape else template.default_shape(gpus)
+    config = SearchConfig(islands=islands, compile_workers=compile_workers, seed=seed, llm_islands=llm_islands)
+    path = resume if resume is not None else new_run_path(workload, gpus, runs_dir)
+    return RunPlan(Path(path), template, chosen, gpus, run_budget, config, tuple(models), llm_budget, stop_after_s,
+                   resume is not None)
+
+
+def run_on_pool(plan: RunPlan, pool: Any, *, iters: int = 20, warmup: int = 5, seeds: int = 2,
+                job_timeout_s: float | None = None, progress: Any = None):
+    """Measure the pool's machine (rates for the floor, capabilities and facts for the proposers),
+    then `evolve` the plan with the real Evaluator on it. Returns what `evolve` returns."""
+    from commweave.evaluate.evaluator import Evaluator
+    from commweave.evaluate.floor import calibrate
+    from commweave.space import Capabilities
+
+    rates = calibrate(pool)
+    probe = pool.run("commweave.runtime.selftest:probe")
+    capabilities = Capabilities.from_probe(probe.values[0]) if probe.ok else \
+        Capabilities(False, f"probe failed: {probe.first_failure()}")
+    info = probe.values[0] if probe.ok else {}
+    hardware = {"GPUs": plan.gpus, **{label: info[key] for key, label in (("gpu", "GPU"), ("nccl_loaded", "NCCL"),
+                                                                         ("lsa_size", "LSA (NVLink) team size"))
+                                      if key in info}}
+    evaluator = Evaluator(pool, plan.template.workload, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
+                          job_timeout_s=job_timeout_s)
+    return evolve(plan.path, plan.template, evaluator, plan.shape, plan.gpus, plan.budget, plan.config, rates=rates,
+                  capabilities=capabilities, progress=progress, stop_after_s=plan.stop_after_s,
+                  llm_models=plan.models, llm_budget_usd=plan.llm_budget_usd, hardware=hardware)

@@ -2,9 +2,10 @@
 
 The search never touches a GPU: it renders directive sets into programs with the workload's
 template, compiles them on a CPU thread pool (nvcc runs as a subprocess per source), and hands
-compiled programs to an injected evaluator (`evaluate(text, shape) -> EvalResult`; the real one is
-`commweave.evaluate.Evaluator`). Each island keeps one candidate compiling or compiled ahead, so
-the evaluator finds the next program ready while the last one runs.
+compiled programs to evaluation pools (`search.pools`: one judge, `evaluate(text, shape) ->
+EvalResult`, per pool of W GPUs, in this process or as Ray actors), keeping one candidate in flight
+per pool. Each island keeps one candidate compiling or compiled ahead, so a pool finds the next
+program ready when its last one finishes.
 
 - islands: every island starts from the seed; every `migrate_every` evaluations per island, each
   island's best is copied to the next island (ring) unless it is already there;
@@ -25,8 +26,11 @@ the evaluator finds the next program ready while the last one runs.
   evaluations the next proposal first asks for a summary of what worked, which later prompts carry.
   Once the dollar budget is spent LLM islands stop proposing (the run stops if no other island
   remains); the spend is in the database, so `--resume` continues with it.
-Every evaluated program is committed to the database before the next result is taken, so a run
-killed at any moment resumes from the database (`Evolution(..)` on the same file).
+Every evaluated program is committed to the database (with the pool and node that measured it) by
+this process alone as its result arrives, so a run killed at any moment resumes from the database
+(`Evolution(..)` on the same file): candidates in flight are proposed again, none is recorded twice.
+A pool that dies mid-candidate puts it back in the queue; a program that keeps killing pools
+(`SearchConfig.max_pool_deaths`) is charged with a runtime_error.
 """
 
 from __future__ import annotations
@@ -39,21 +43,20 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from commweave.evaluate.program import ProgramError, parse_program
-from commweave.evaluate.verdict import FailureClass, Verdict
+from commweave.contracts.program import ProgramError, parse_program
+from commweave.contracts.result import EvalResult, Judge
+from commweave.contracts.workload import Workload
+from commweave.contracts.verdict import FailureClass, Verdict
 from commweave.llm import Ledger, ModelConfig, ModelPool, client_for
-from commweave.runtime.compile import CompileError, compile_cubin
+from commweave.runtime.compile import CompileError
 from commweave.search import prompts
 from commweave.search.db import ProgramDB, ProgramRecord, code_hash
 from commweave.search.llm_proposer import CallLog, LLMProposal, LLMProposer
+from commweave.search.pools import LocalPools, Outcome, Placement, PoolLost, Pools
 from commweave.search.proposer import Memory, OfflineProposer
 from commweave.space import DirectiveSet, Template, program_body
-
-
-class EvaluatorLike(Protocol):
-    def evaluate(self, text: str, shape: Any) -> Any: ...  # EvalResult-like: fitness, verdict, ...
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class SearchConfig:
     llm_meta_every: int = 10  # evaluations between two meta-summaries of what worked
     llm_max_resamples: int = 2  # unusable answers sent back with the reason, per proposal
     llm_max_failures: int = 3  # proposals in a row without a child before an LLM island rests
+    max_pool_deaths: int = 3  # pools lost while evaluating one program before the program is blamed
 
 
 @dataclass
@@ -175,40 +179,36 @@ def body_hash(text: str) -> str:
     return code_hash(program_body(text))
 
 
-def _median(timing: Any) -> float | None:
-    return getattr(timing, "median_us", None) if timing is not None else None
-
-
-def result_timings(result: Any) -> dict[str, Any]:
-    """The measured figures of an EvalResult-like object, as plain JSON."""
-    baselines = {name: _median(t) for name, t in (getattr(result, "baselines", None) or {}).items()}
-    return {"candidate_us": _median(getattr(result, "candidate", None)), "baseline": getattr(result, "baseline", None),
-            "baselines_us": baselines, "floor_us": getattr(result, "floor_us", None)}
+def result_timings(result: EvalResult) -> dict[str, Any]:
+    """The measured figures of an evaluation, as plain JSON."""
+    return {"candidate_us": result.candidate.median_us if result.candidate is not None else None,
+            "baseline": result.baseline, "baselines_us": {name: t.median_us for name, t in result.baselines.items()},
+            "floor_us": result.floor_us}
 
 
 class Evolution:
     """One run of the search on one database. Construct, then `run()`; constructing it on an
     existing database resumes that run (its metadata must match)."""
 
-    def __init__(self, db: ProgramDB, template: Template, evaluator: EvaluatorLike, shape: Any, world_size: int,
+    def __init__(self, db: ProgramDB, template: Template, evaluator: Judge, shape: Any, world_size: int,
                  budget: Budget, config: SearchConfig | None = None, *, proposer: OfflineProposer | None = None,
-                 compile_source: Callable[[str], Any] | None = None, rates: Any = None, workload: Any = None,
+                 compile_source: Callable[[str], Any] | None = None, rates: Any = None,
                  capabilities: Any = None, on_result: Callable[[ProgramRecord, Evolution], None] | None = None,
                  llm_models: Sequence[ModelConfig] = (), llm_budget_usd: float | None = None,
-                 hardware: Mapping[str, Any] | None = None):
+                 hardware: Mapping[str, Any] | None = None, pools: Pools | None = None):
         """`llm_models`: the models of the LLM islands (`config.llm_islands` > 0 needs one);
         `llm_budget_usd`: their dollar cap (None: the resumed run's own, else none); `hardware`:
-        facts measured about the machine, shown to the models as they are."""
-        self.db, self.template, self.evaluator = db, template, evaluator
+        facts measured about the machine, shown to the models as they are; `pools`: where
+        candidates are evaluated, several at once (default: `evaluator` alone, one at a time)."""
+        self.db, self.template = db, template
+        self.pools: Pools = pools if pools is not None else LocalPools.single(evaluator)
         self.shape, self.world_size, self.budget = shape, world_size, budget
         self.config = config or SearchConfig()
-        if workload is None:
-            workload = getattr(evaluator, "workload", None) or getattr(template, "wl", None)
+        workload = template.workload
         work = workload.cost(shape, world_size)
         self.capabilities = capabilities
         self.proposer = proposer or OfflineProposer(template, world_size, work, rates, capabilities=capabilities)
-        # nvcc for every CUDA source, unless the evaluator brings its own (the simulated one does)
-        self.compile_source = compile_source or getattr(evaluator, "compile_source", None) or compile_cubin
+        self.compile_source = compile_source or self.pools.compile_source
         self.on_result = on_result
         self._started = time.monotonic()  # reset by run()
         self._deadline: float | None = None  # run()'s stop_after_s, as a monotonic time
@@ -224,16 +224,16 @@ class Evolution:
             self.calls = CallLog(db)
             self.ledger = Ledger(self.llm_budget_usd, on_call=self.calls.call, spent_usd=db.llm_spent())
             self.models = ModelPool([client_for(m, self.ledger) for m in llm_models], seed=self.config.seed)
-            self.llm = LLMProposer(template, world_size, shape, workload=workload, rates=rates, hardware=hardware,
+            self.llm = LLMProposer(template, world_size, shape, rates=rates, hardware=hardware,
                                    capabilities=capabilities, max_resamples=self.config.llm_max_resamples,
                                    on_unusable=self.calls.unusable)
         self._load()
 
     # -- state ----------------------------------------------------------------------------------
-    def _init_meta(self, workload: Any, llm_models: Sequence[ModelConfig]) -> None:
+    def _init_meta(self, workload: Workload, llm_models: Sequence[ModelConfig]) -> None:
         meta = self.db.meta()
         llm = {"llm_models": [asdict(m) for m in llm_models]} if llm_models else {}
-        wanted = {"workload": getattr(workload, "name", self.template.workload), "shape": str(self.shape),
+        wanted = {"workload": workload.name, "shape": str(self.shape),
                   "gpus": self.world_size, "islands": self.config.islands}
         if meta:
             clash = {k: (meta.get(k), v) for k, v in wanted.items() if meta.get(k) != v}
@@ -280,6 +280,7 @@ class Evolution:
         self.llm_last_error = ""
         self.llm_stopped: str | None = None  # why LLM islands stopped proposing (the budget)
         self.elapsed_before = float(meta.get("elapsed_s", 0.0))
+        self._pool_deaths: dict[str, int] = {}  # program body hash -> pools lost while evaluating it
         self.evaluated = self.db.count()
         self.rng = random.Random(f"{self.config.seed}:{self.evaluated}:{len(self.db.migrations())}")
 
@@ -340,10 +341,41 @@ class Evolution:
 
     # -- the loop -------------------------------------------------------------------------------
     def _start_seed(self, compiler: CompileAhead) -> None:
+        """Evaluate the seed before anything else (the other islands get it as a migrant)."""
         ds = self.template.seed_directives()
         text = self.template.render(ds, self.shape, self.world_size, self.capabilities)
         pending = _Pending(ds, text, 0, 0, None, None, "seed", 0.0, compiler.submit(text), time.monotonic())
-        self._finish(pending)  # the other islands get it as a migrant (run() below)
+        while True:
+            started = self._start(pending)
+            if started is None:
+                return
+            future, timings, began = started
+            try:
+                self._evaluated(pending, future.result(), timings, began)
+                return
+            except PoolLost as exc:
+                if self._blame_pools(pending, exc, timings):
+                    return
+
+    def _start(self, p: _Pending) -> tuple[Future, dict[str, Any], float] | None:
+        """Send a compiled candidate to a pool; a compile failure is recorded at once (None)."""
+        verdict, timings = self._compiled(p)
+        if not verdict.ok:
+            self._record(p, verdict, 0.0, timings)
+            return None
+        return self.pools.submit(p.text, self.shape), timings, time.monotonic()
+
+    def _blame_pools(self, p: _Pending, exc: PoolLost, timings: dict[str, Any]) -> bool:
+        """A pool died under `p`: True once the program has killed `max_pool_deaths` pools (it is
+        then recorded as a runtime_error), else False (evaluate it again elsewhere)."""
+        digest = body_hash(p.text)
+        self._pool_deaths[digest] = self._pool_deaths.get(digest, 0) + 1
+        if self._pool_deaths[digest] < self.config.max_pool_deaths:
+            return False
+        why = Verdict.failed(FailureClass.RUNTIME_ERROR, f"{self._pool_deaths[digest]} pools died while evaluating "
+                                                         f"this program (last: {exc})")
+        self._record(p, why, 0.0, timings | {"pool": exc.placement.pool, "node": exc.placement.node})
+        return True
 
     def _propose(self, island: int, compiler: CompileAhead, in_flight: set[str], in_flight_code: set[str]) -> _Pending | None:
         if self.is_llm(island):
@@ -451,10 +483,10 @@ class Evolution:
         return True
 
     def _next(self, queue: deque[_Pending], compiler: CompileAhead, in_flight_code: set[str],
-              refill: Callable[[int], None]) -> _Pending | None:
+              refill: Callable[[int], None], block: bool = True) -> _Pending | None:
         """The next candidate to evaluate: a compiled one first, then one compiling; a model's
         finished child joins them (a job without a child refills its island). Waits for a model
-        only when nothing else is queued."""
+        only when nothing else is queued, and only if `block` (else None)."""
         while queue and not self.exhausted():
             for p in [p for p in queue if p.writing is not None and p.writing.done()]:
                 if not self._take_child(p, compiler, in_flight_code):
@@ -466,6 +498,8 @@ class Evolution:
                 queue.remove(chosen)
                 return chosen
             if queue:
+                if not block:
+                    return None
                 wait([p.writing for p in queue], timeout=1.0, return_when=FIRST_COMPLETED)
         return None
 
@@ -487,19 +521,21 @@ class Evolution:
             why.append("the LLM islands have no correct program to start from")
         return "; ".join(why)
 
-    def _finish(self, p: _Pending) -> ProgramRecord:
+    def _compiled(self, p: _Pending) -> tuple[Verdict, dict[str, Any]]:
+        """Wait for the candidate's compile: its verdict and the compile's timings."""
         wait_start = time.monotonic()
         verdict, compile_s = p.future.result()
         waited = time.monotonic() - wait_start
-        timings: dict[str, Any] = {"compile_s": round(compile_s, 4), "compile_wait_s": round(waited, 4)}
-        if verdict.ok:
-            start = time.monotonic()
-            result = self.evaluator.evaluate(p.text, self.shape)
-            timings["evaluate_s"] = round(time.monotonic() - start, 4)
-            timings.update(result_timings(result))
-            fitness, verdict = float(result.fitness), result.verdict
-        else:
-            fitness = 0.0
+        return verdict, {"compile_s": round(compile_s, 4), "compile_wait_s": round(waited, 4)}
+
+    def _evaluated(self, p: _Pending, outcome: Outcome, timings: dict[str, Any], started: float) -> ProgramRecord:
+        """Record a finished evaluation (in the search's thread: only it writes the database)."""
+        result = outcome.result
+        timings = timings | {"evaluate_s": round(time.monotonic() - started, 4), "pool": outcome.placement.pool,
+                             "node": outcome.placement.node} | result_timings(result)
+        return self._record(p, result.verdict, float(result.fitness), timings)
+
+    def _record(self, p: _Pending, verdict: Verdict, fitness: float, timings: dict[str, Any]) -> ProgramRecord:
         ok = bool(verdict.ok) and fitness > 0
         failure = None if ok else str(verdict.failure or FailureClass.RUNTIME_ERROR)
         extra = {"llm_samples": p.samples} if p.proposer else {}
@@ -526,6 +562,13 @@ class Evolution:
             self.on_result(record, self)
         return record
 
+    def _may_start(self, in_flight: int) -> bool:
+        """Whether one more evaluation fits the budget with `in_flight` already running."""
+        if self.exhausted():
+            return False
+        limit = self.budget.evaluations
+        return limit is None or self.evaluated + in_flight < limit
+
     def run(self, stop_after_s: float | None = None) -> ProgramRecord | None:
         """Search until the budget is spent (or no new candidate can be proposed); the best program.
 
@@ -538,6 +581,7 @@ class Evolution:
         # one model call at a time per LLM island, beside the compiles
         self._llm_pool = ThreadPoolExecutor(self.config.llm_islands, "cw-llm") if self.llm is not None else None
         try:
+            running: dict[Future, tuple[_Pending, dict[str, Any], float]] = {}
             if not self.records:
                 self._start_seed(compiler)
             first = min(self.records)
@@ -563,11 +607,8 @@ class Evolution:
             if not self.exhausted():
                 for island in range(self.config.islands):
                     refill(island)
-            while queue and not self.exhausted():
-                pending = queue.popleft() if self.llm is None else self._next(queue, compiler, in_flight_code, refill)
-                if pending is None:
-                    break
-                self._finish(pending)
+
+            def done_with(pending: _Pending) -> None:
                 if pending.proposer is None:
                     in_flight.discard(pending.directives.key)
                 in_flight_code.discard(body_hash(pending.text))
@@ -575,7 +616,40 @@ class Evolution:
                 if self.config.islands > 1 and self.evaluated % every == 0:
                     self.migrate()
                 refill(pending.island)
+
+            while (queue or running) and not self._past_deadline():
+                while queue and len(running) < self.pools.slots and self._may_start(len(running)):
+                    if self.llm is None:
+                        pending = queue.popleft()
+                    else:
+                        pending = self._next(queue, compiler, in_flight_code, refill, block=not running)
+                    if pending is None:
+                        break
+                    started = self._start(pending)
+                    if started is None:
+                        done_with(pending)
+                    else:
+                        running[started[0]] = (pending, started[1], started[2])
+                if not running:
+                    if not queue or not self._may_start(0):
+                        break
+                    if self.pools.slots == 0:
+                        raise PoolLost("every evaluation pool is lost", Placement("-", "-"))
+                    continue
+                writing = [p.writing for p in queue if p.writing is not None]
+                finished, _ = wait([*running, *writing], timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in [f for f in finished if f in running]:
+                    pending, timings, began = running.pop(future)
+                    try:
+                        self._evaluated(pending, future.result(), timings, began)
+                    except PoolLost as exc:
+                        if not self._blame_pools(pending, exc, timings):
+                            queue.appendleft(pending)  # compiled already: it goes to the next free pool
+                            continue
+                    done_with(pending)
         finally:
+            for future in running:
+                future.cancel()
             compiler.close()
             if self._llm_pool is not None:
                 self._llm_pool.shutdown(wait=True, cancel_futures=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from commweave.evaluate.floor import MachineRates, floor_s
-from commweave.evaluate.program import python_code
+from commweave.contracts.program import python_code
 from commweave.llm import (BudgetExceeded, CallRecord, LLMClient, LLMError, Message, PatchError, apply_diff,
                            apply_rewrite, extract_json_block)
 from commweave.search import prompts
@@ -94,11 +94,11 @@ class LLMProposer:
     """Writes prompts, parses answers, resamples unusable ones. Holds no model: the caller picks
     the client (a `ModelPool`'s choice) for each proposal."""
 
-    def __init__(self, template: Template, world_size: int, shape: Any, *, workload: Any = None,
+    def __init__(self, template: Template, world_size: int, shape: Any, *,
                  rates: MachineRates | None = None, hardware: Mapping[str, Any] | None = None, capabilities: Any = None,
                  max_resamples: int = 2, on_unusable: Callable[[str, str, str], None] | None = None,
                  phases: Mapping[str, PhasePolicy] = PHASES):
-        workload = workload if workload is not None else template.wl
+        workload = template.workload
         self.space = template.space(world_size, capabilities)
         knobs = {k[5:]: v for k, v in template.supported().items() if k.startswith("knob:")}
         cost = workload.cost(shape, world_size)

@@ -18,7 +18,7 @@ from commweave.llm.patch import DIFF_FORMAT
 from commweave.search.db import ProgramRecord
 from commweave.space import DIMENSIONS, DirectiveSet, Space, program_body
 from commweave.space.directives import DESCRIPTIONS, fmt_bytes
-from commweave.workloads.base import Cost
+from commweave.contracts.workload import Cost
 
 SYSTEM = (
     "You improve multi-GPU programs that overlap computation with device-initiated communication "

@@ -18,7 +18,7 @@ from typing import Any
 from commweave.evaluate.floor import MachineRates
 from commweave.search.cost import predict_s
 from commweave.space import DirectiveSet, Template
-from commweave.workloads.base import Cost
+from commweave.contracts.workload import Cost
 
 #: how strongly a failure class steers proposals away from the values that caused it
 FAILURE_WEIGHT = {"timeout": 3.0, "illegal_address": 3.0, "wrong_result": 2.0, "nan": 2.0, "suspect": 2.0,

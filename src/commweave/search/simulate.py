@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from commweave.evaluate.evaluator import EvalResult
-from commweave.evaluate.program import python_ast
-from commweave.evaluate.timing import ProgramTiming
-from commweave.evaluate.verdict import FailureClass, Verdict
+from commweave.contracts.result import EvalResult, ProgramTiming
+from commweave.contracts.program import python_ast
+from commweave.contracts.verdict import FailureClass, Verdict
 from commweave.space import DirectiveSet, Template, directives_of
 
 Rule = Callable[[DirectiveSet], "FailureClass | str | None"]
@@ -39,7 +38,7 @@ class SimulatedEvaluator:
         self.log = Path(log) if log else None
         self.rng = random.Random(seed)
         self.calls = 0
-        self.workload = getattr(template, "wl", None)
+        self.workload = template.workload
 
     def distance(self, ds: DirectiveSet) -> float:
         total = 0.0

@@ -9,7 +9,7 @@ workload's own tuning parameters, e.g. the seed's `order`) ride along in `knobs`
 `validate` gives every reason a set is not a meaningful strategy (never just "invalid"), so a
 search or an LLM can learn from it. A `Space` holds a workload's ranges (chunk bytes, comm CTAs,
 the compression its tolerance admits) and the machine's capabilities (GIN only with an RDMA NIC).
-This module imports nothing of commweave's.
+It imports only the contracts' format profile (group sizes, each FP8 format's expected error).
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from commweave.contracts.profile import COMPRESSION_ERROR, GROUP_SIZES
+
 BACKENDS = ("lsa", "gin", "ce")
 PLACEMENTS = ("deferred", "split", "fused")
 SYNC_SCOPES = ("global", "peer", "chunk")
 ISSUERS = ("thread", "warp", "cta")
 COMPRESSIONS = ("none", "fp8_e4m3", "fp8_e5m2")
 LANGUAGES = ("cuda", "triton")
-GROUP_SIZES = (32, 64, 128, 256, 512, 1024)
 
-#: Relative (Frobenius) error FP8 group quantisation adds to a payload of normal data: half an ulp
-#: of the mantissa (3 bits for e4m3, 2 for e5m2) over sqrt(3) for uniform rounding. A workload
-#: admits a format only if its tolerance is at least this.
-COMPRESSION_ERROR = {"fp8_e4m3": 2.0 ** -4 / 3 ** 0.5, "fp8_e5m2": 2.0 ** -3 / 3 ** 0.5}
 
 DESCRIPTIONS = {
     "backend": {

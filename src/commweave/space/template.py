@@ -14,6 +14,7 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any
 
+from commweave.contracts.workload import Workload
 from commweave.space.directives import DIMENSIONS, DirectiveSet, Space
 
 DIRECTIVES_PREFIX = "# commweave-directives: "
@@ -39,9 +40,11 @@ def program_body(text: str) -> str:
 
 class Template(ABC):
     """A workload's generator. `supported` maps a dimension (a directive or 'knob:<name>') to the
-    values this template implements; dimensions missing from it are implemented for every value."""
+    values this template implements; dimensions missing from it are implemented for every value.
+    The workload it renders for is passed in (`Workload.template()` does), never imported here."""
 
-    workload: str = ""
+    def __init__(self, workload: Workload):
+        self.workload = workload
 
     @abstractmethod
     def space(self, world_size: int, capabilities: Any = None) -> Space:
@@ -67,12 +70,12 @@ class Template(ABC):
             if dim in supported and getattr(ds, dim) not in supported[dim]:
                 allowed = supported[dim]
                 what = f"{dim} {allowed[0]} only" if len(allowed) == 1 else f"{dim} in {', '.join(map(str, allowed))} only"
-                why.append(f"{self.workload}'s template implements {what}, not {getattr(ds, dim)!r}")
+                why.append(f"{self.workload.name}'s template implements {what}, not {getattr(ds, dim)!r}")
         knobs = ds.knob_dict
         declared = {d[5:] for d in supported if d.startswith("knob:")}
         for name in sorted(set(knobs) | declared):
             if name not in declared:
-                why.append(f"{self.workload}'s template has no knob {name!r}")
+                why.append(f"{self.workload.name}'s template has no knob {name!r}")
             elif name not in knobs:
                 why.append(f"knob {name!r} is missing (values: {', '.join(map(repr, supported['knob:' + name]))})")
             elif knobs[name] not in supported["knob:" + name]:

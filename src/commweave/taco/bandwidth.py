@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commweave.evaluate.timing import gated_seconds
+from commweave.runtime.timers import gated_seconds
 from commweave.taco import collectives as cc
 from commweave.taco.quant import QuantConfig
 
@@ -36,26 +36,22 @@ def _iters(mib: float) -> int:
     return 30 if mib <= 16 else 10
 
 
-_VARIANT = re.compile(r"^(cuda|triton)(?:-p(\d+))?(?:-b(\d+))?(-fused)?$")
+_VARIANT = re.compile(r"^(cuda|triton)(-fused)?$")
 
 
 def variant(name: str) -> dict[str, Any]:
-    """A measured variant's DeviceBackend arguments: "cuda", "triton", "<codec>-p<pieces>"
-    (pipelined), "cuda-p<pieces>-b<blocks>" (its compression capped at that many blocks); a CUDA
-    variant ending in "-fused" has its reading kernels perform the barrier (no barrier kernel)."""
+    """A measured variant's DeviceBackend arguments: "cuda", "triton", or "cuda-fused" (the reading
+    kernels perform the read barrier: no barrier kernel)."""
     m = _VARIANT.match(name)
-    if not m or ((m.group(3) or m.group(4)) and m.group(1) != "cuda"):
-        raise ValueError(f"a variant is cuda, triton, <codec>-p<pieces>, cuda-p<pieces>-b<blocks> or a CUDA variant "
-                         f"ending in -fused (e.g. cuda-p4, cuda-p4-b132, cuda-fused), not {name!r}")
-    return {"codec": m.group(1), "pieces": int(m.group(2) or 1),
-            "compress_blocks": int(m.group(3)) if m.group(3) else None,
-            "fuse_barriers": bool(m.group(4))}
+    if not m or (m.group(2) and m.group(1) != "cuda"):
+        raise ValueError(f"a variant is cuda, triton or cuda-fused, not {name!r}")
+    return {"codec": m.group(1), "fuse_barriers": bool(m.group(2))}
 
 
 def measure(ctx: Any, mibs: Sequence[float] = (16, 256), codecs: Sequence[str] = ("cuda",),
             cfg_kwargs: dict | None = None, double_buffer: bool = True) -> list[dict]:
-    """One row per (size, op): NCCL's time and each variant's (the device backend with that codec
-    and pieces, see `variant`), their bandwidths and speedups. A pool job: every rank runs it; rank
+    """One row per (size, op): NCCL's time and each variant's (the device backend with that codec,
+    see `variant`), their bandwidths and speedups. A pool job: every rank runs it; rank
     0's rows are the answer."""
     from commweave.taco.device import DeviceBackend
 

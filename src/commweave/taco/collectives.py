@@ -19,32 +19,25 @@ The selector's threshold is a required parameter: it is to be measured on the GP
 shot moves world-1 full messages per rank but needs one step; two-shot moves 2(world-1)/world of
 one message per rank in two steps); no number is assumed here.
 
-Backends: the functions dispatch on `backend` (default "reference", this module's host
-implementation). "device" (`taco.device`, imported on first use) is the device-initiated one on
-CUDA: compress into a symmetric window, peers read payload and scales over NVLink and decompress,
-reducing in FP32 in the same rank order; with the fused kernels its results equal the reference's
-bit for bit. Others can be added with register_backend().
+`backend` picks the implementation: "reference" (this module's host one), "device" (`taco.device`:
+device-initiated over symmetric windows, bit for bit the reference; made at its first use), or one
+given by `register_backend` (the selector's "auto"). `group` is a ProcessGroup, a DeviceMesh (one
+dimension) or (mesh, dim) (`backend.resolve_group`); every backend runs over that group's ranks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
+from commweave.taco.backend import AllReduceAlgo, CollectiveBackend, Group, resolve_group
 from commweave.taco.quant import Compressed, QuantConfig, compress, decompress, pack, unpack
 
-AllReduceAlgo = Literal["one_shot", "two_shot"]
 
-
-class CollectiveBackend(Protocol):
-    def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any) -> torch.Tensor: ...
-    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig, group: Any) -> torch.Tensor: ...
-    def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo, group: Any) -> torch.Tensor: ...
-
-
-def _world(group: Any) -> tuple[int, int]:
+def _world(group: ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -53,7 +46,7 @@ def _check_dim0(x: torch.Tensor, world: int, what: str) -> None:
         raise ValueError(f"{what}: dim 0 of shape {tuple(x.shape)} must be divisible by the world size {world}")
 
 
-def _gather_packed(buf: torch.Tensor, world: int, group: Any) -> list[torch.Tensor]:
+def _gather_packed(buf: torch.Tensor, world: int, group: ProcessGroup | None) -> list[torch.Tensor]:
     bufs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
     return bufs
@@ -62,12 +55,12 @@ def _gather_packed(buf: torch.Tensor, world: int, group: Any) -> list[torch.Tens
 class ReferenceBackend:
     """Host implementation: compress, exchange packed uint8 buffers, decompress, reduce in FP32."""
 
-    def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: Any) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, cfg: QuantConfig, group: ProcessGroup | None) -> torch.Tensor:
         world, _ = _world(group)
         bufs = _gather_packed(pack(compress(x, cfg)), world, group)
         return torch.cat([decompress(unpack(b, x.shape, x.dtype, cfg)) for b in bufs], dim=0)
 
-    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig, group: Any) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, cfg: QuantConfig, group: ProcessGroup | None) -> torch.Tensor:
         world, rank = _world(group)
         _check_dim0(x, world, "reduce_scatter")
         chunks = x.chunk(world, dim=0)
@@ -78,7 +71,7 @@ class ReferenceBackend:
         parts[rank] = chunks[rank]  # own chunk: exact (its compressed copy to itself is not used)
         return _sum_fp32(parts, x.dtype)
 
-    def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo, group: Any) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, cfg: QuantConfig, algorithm: AllReduceAlgo, group: ProcessGroup | None) -> torch.Tensor:
         if algorithm not in ("one_shot", "two_shot"):
             raise ValueError(f"algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
         world, _ = _world(group)
@@ -106,7 +99,15 @@ def _sum_fp32(parts: list[Compressed | torch.Tensor], dtype: torch.dtype) -> tor
     return total.to(dtype)
 
 
-_BACKENDS: dict[str, CollectiveBackend] = {"reference": ReferenceBackend()}
+def _device_backend() -> CollectiveBackend:
+    from commweave.taco.device import DeviceBackend  # CUDA only: not imported until asked for
+
+    return DeviceBackend()
+
+
+# backends made at their first use; register_backend adds or replaces one
+_FACTORIES: dict[str, Callable[[], CollectiveBackend]] = {"reference": ReferenceBackend, "device": _device_backend}
+_BACKENDS: dict[str, CollectiveBackend] = {}
 
 
 def register_backend(name: str, backend: CollectiveBackend) -> None:
@@ -115,22 +116,22 @@ def register_backend(name: str, backend: CollectiveBackend) -> None:
 
 
 def _backend(name: str) -> CollectiveBackend:
-    if name == "device" and name not in _BACKENDS:
-        import commweave.taco.device  # noqa: F401  (registers itself; triton only at its first call)
+    if name not in _BACKENDS and name in _FACTORIES:
+        _BACKENDS[name] = _FACTORIES[name]()
     try:
         return _BACKENDS[name]
     except KeyError:
         if name == "auto":
             raise ValueError("backend 'auto' chooses from measurements: register them first with "
                              "commweave.taco.selector.use_measurements(<bench/taco_bandwidth.py results JSON>)") from None
-        raise ValueError(f"unknown backend {name!r}; registered: {sorted(_BACKENDS)}") from None
+        raise ValueError(f"unknown backend {name!r}; known: {sorted({*_FACTORIES, *_BACKENDS})}") from None
 
 
 # -- public API -------------------------------------------------------------------------------
 
-def all_gather(x: torch.Tensor, cfg: QuantConfig | None = None, group: Any = None, backend: str = "reference") -> torch.Tensor:
+def all_gather(x: torch.Tensor, cfg: QuantConfig | None = None, group: Group = None, backend: str = "reference") -> torch.Tensor:
     """Shards of every rank concatenated along dim 0 (compressed when cfg is given)."""
-    x = x.contiguous()
+    x, group = x.contiguous(), resolve_group(group)
     if cfg is None:
         world, _ = _world(group)
         out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -139,9 +140,10 @@ def all_gather(x: torch.Tensor, cfg: QuantConfig | None = None, group: Any = Non
     return _backend(backend).all_gather(x, cfg, group)
 
 
-def reduce_scatter(x: torch.Tensor, cfg: QuantConfig | None = None, group: Any = None, backend: str = "reference") -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, cfg: QuantConfig | None = None, group: Group = None,
+                   backend: str = "reference") -> torch.Tensor:
     """Sum over ranks of chunk `rank` of x split along dim 0 (compressed when cfg is given)."""
-    x = x.contiguous()
+    x, group = x.contiguous(), resolve_group(group)
     world, _ = _world(group)
     _check_dim0(x, world, "reduce_scatter")
     if cfg is None:
@@ -152,8 +154,9 @@ def reduce_scatter(x: torch.Tensor, cfg: QuantConfig | None = None, group: Any =
 
 
 def all_reduce(x: torch.Tensor, cfg: QuantConfig | None = None, algorithm: AllReduceAlgo = "one_shot",
-               group: Any = None, backend: str = "reference") -> torch.Tensor:
+               group: Group = None, backend: str = "reference") -> torch.Tensor:
     """Sum over ranks, returned as a new tensor (x is not modified)."""
+    group = resolve_group(group)
     if cfg is None:
         out = x.clone()
         dist.all_reduce(out, group=group)
@@ -172,9 +175,9 @@ def choose_all_reduce(nbytes: int, world_size: int, *, one_shot_max_bytes: int,
     return "two_shot"
 
 
-def compressed_all_reduce(x: torch.Tensor, cfg: QuantConfig, *, one_shot_max_bytes: int, group: Any = None,
+def compressed_all_reduce(x: torch.Tensor, cfg: QuantConfig, *, one_shot_max_bytes: int, group: Group = None,
                           backend: str = "reference") -> torch.Tensor:
     """all_reduce with the algorithm picked by choose_all_reduce from x's size in bytes."""
-    world, _ = _world(group)
+    world, _ = _world(resolve_group(group))
     algo = choose_all_reduce(x.numel() * x.element_size(), world, one_shot_max_bytes=one_shot_max_bytes)
     return all_reduce(x, cfg, algo, group, backend)

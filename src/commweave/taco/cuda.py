@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from commweave.runtime.launch import on_device
-from commweave.taco.quant import Compressed, QuantConfig, pack, packed_view
+from commweave.taco.wire import Compressed, QuantConfig, pack, packed_view
 
 SOURCE = Path(__file__).with_name("taco_kernels.cu")
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from commweave.runtime.launch import on_device
-from commweave.taco.quant import Compressed, QuantConfig, packed_view
+from commweave.taco.wire import Compressed, QuantConfig, packed_view
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}

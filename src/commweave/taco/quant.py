@@ -14,26 +14,7 @@ group, none per element: the fused kernels' compress is bound by arithmetic, and
 IEEE division costs several instructions; the quotient differs by at most an ulp before the FP8
 rounding). Scales are floored at FP32's smallest normal, so every reciprocal is finite.
 
-Options, each switchable so its value can be measured (bench/taco_error_table.py):
-  hadamard=False     no transform (y = x / s1)
-  hadamard="adaptive"  per group, whichever of transform / no transform quantizes it with the lower
-                     L2 error (both are tried); the choice travels in the sign of the post-scale
-                     (negative: transformed), so it costs no extra bytes. This is our option, not
-                     the paper's: the error table shows that with FP8 *floating-point* payloads the
-                     transform hurts groups that hold outliers (it spreads the outlier's rounding
-                     error over the small values, which per-group scaling alone would keep exact to
-                     FP8's relative precision) and helps little elsewhere. The L2 criterion is
-                     dominated by a group's largest values, so it does not by itself protect the
-                     small ones.
-  dual_scale=False   one absmax scale per group after the transform (s1 = 1, not stored)
-  fmt                'e4m3' (max 448, 3 mantissa bits) or 'e5m2' (max 57344, 2 mantissa bits)
-  transform_input_dtype  the dtype the transform's input is rounded to. FP32 by default; fast
-                     Hadamard kernels run the transform as a 16-bit tensor-core matmul (FP32
-                     accumulation), which this option emulates with a saturating cast. In exact
-                     FP32 arithmetic the two scales multiply to the single scale, so the dual
-                     scale only shows its value where the transform's input is 16-bit: the
-                     pre-scale keeps near-zero groups out of FP16's subnormals and huge ones out of
-                     its overflow.
+Options: `wire.QuantConfig` (each switchable, so its value can be measured: bench/taco_error_table.py).
 
 Sizes that are not a multiple of G: with pad=True (default) the flattened tensor is padded with
 zeros to the next multiple of G (the padding is part of the payload and dropped on decompress);
@@ -48,118 +29,28 @@ Sums (the RMS's sum of squares, the adaptive mode's L2 errors) are pairwise in a
 RMS's square root is correctly rounded (`_sqrt_rn`), so that the fused Triton kernels
 (`kernels.py`) can reproduce every bit of this reference.
 
-Works on CPU and on CUDA tensors alike (pure torch). `impl="cuda"` runs the CUDA kernels
-(`cuda.py`, CUDA tensors); `compress(..., impl="triton")` and
-`decompress(..., impl="triton")` run the fused Triton kernels instead (CUDA tensors compiled; CPU
-tensors only under TRITON_INTERPRET=1, Triton's interpreter); the reference stays the default.
+Works on CPU and on CUDA tensors alike (pure torch). This is also `ReferenceCodec`, the reference
+implementation of the `codec.Codec` interface; `compress(..., impl="triton" | "cuda")` and
+`decompress(..., impl=...)` run the same through the Triton or CUDA kernels (`get_codec`), which
+give these bits.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Callable
 
 import torch
 
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}
-TRANSFORM_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MIN_GROUP, MAX_GROUP = 32, 512
-GROUP_SIZES = tuple(1 << i for i in range(MIN_GROUP.bit_length() - 1, MAX_GROUP.bit_length()))  # every one allowed
+from commweave.taco.codec import Codec, CudaCodec, Impl, PerMessageCodec, TritonCodec
+from commweave.taco.wire import (FP8_DTYPES, FP8_MAX, TRANSFORM_INPUT_DTYPES, Compressed, QuantConfig, pack,
+                                 packed_view, unpack)
+
+__all__ = ["FP8_DTYPES", "FP8_MAX", "TRANSFORM_INPUT_DTYPES", "Codec", "Compressed", "Impl", "QuantConfig",
+           "ReferenceCodec", "compress", "decompress", "fwht", "get_codec", "pack", "packed_view", "plain_fp8_cast",
+           "roundtrip", "unpack"]
+
 _TINY = torch.finfo(torch.float32).smallest_normal
-Impl = Literal["reference", "triton", "cuda"]
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """How a tensor is compressed; every switch is independent."""
-
-    group_size: int = 128
-    fmt: str = "e4m3"
-    hadamard: bool | str = True  # True, False or "adaptive"
-    dual_scale: bool = True
-    pad: bool = True
-    transform_input_dtype: torch.dtype = torch.float32
-
-    def __post_init__(self) -> None:
-        g = self.group_size
-        if not isinstance(g, int) or isinstance(g, bool) or g < MIN_GROUP or g > MAX_GROUP or g & (g - 1):
-            raise ValueError(f"group_size must be a power of two in {MIN_GROUP}..{MAX_GROUP}, got {g!r}")
-        if not (isinstance(self.hadamard, bool) or self.hadamard == "adaptive"):
-            raise ValueError(f"hadamard must be True, False or 'adaptive', got {self.hadamard!r}")
-        if self.fmt not in FP8_DTYPES:
-            raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {self.fmt!r}")
-        if self.transform_input_dtype not in TRANSFORM_INPUT_DTYPES:
-            raise ValueError(f"transform_input_dtype must be one of {TRANSFORM_INPUT_DTYPES}, got {self.transform_input_dtype}")
-        object.__setattr__(self, "_hash", hash(self._fields()))
-
-    def _fields(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-    def __hash__(self) -> int:
-        """Computed once: a config keys the collectives' buffers and kernels, ~10 lookups a call."""
-        return self._hash
-
-    def __reduce__(self) -> tuple:
-        """Pickled as its fields: the cached hash (of a dtype, a str) is only valid in this process."""
-        return type(self), self._fields()
-
-    @property
-    def fp8_dtype(self) -> torch.dtype:
-        return FP8_DTYPES[self.fmt]
-
-    @property
-    def fp8_max(self) -> float:
-        return FP8_MAX[self.fmt]
-
-    @property
-    def scales_per_group(self) -> int:
-        return 2 if self.dual_scale else 1
-
-    def num_groups(self, numel: int) -> int:
-        if numel % self.group_size and not self.pad:
-            raise ValueError(f"{numel} elements are not a multiple of group_size={self.group_size} and pad=False")
-        return -(-numel // self.group_size)
-
-    def wire_bytes(self, numel: int) -> int:
-        """Bytes on the wire for `numel` elements: FP8 payload (padded) plus FP32 scales."""
-        groups = self.num_groups(numel)
-        return groups * self.group_size + 4 * self.scales_per_group * groups
-
-    def packed_stride(self, numel: int) -> int:
-        """Bytes from one packed message of `numel` elements to the next in a buffer holding several
-        (a reduce-scatter's chunks): wire bytes rounded up to 16, the CUDA kernels' access alignment."""
-        return -(-self.wire_bytes(numel) // 16) * 16
-
-
-@dataclass
-class Compressed:
-    """A compressed tensor: FP8 payload (groups, G), FP32 scales (groups,), original shape/dtype."""
-
-    payload: torch.Tensor
-    scale: torch.Tensor  # post-transform absmax scale (the only one when dual_scale=False)
-    pre_scale: torch.Tensor | None  # RMS pre-scale, None when dual_scale=False
-    shape: torch.Size
-    dtype: torch.dtype
-    config: QuantConfig
-    # (payload, scale, pre_scale, config, address) once the CUDA kernels checked that the tensors are
-    # one packed message at `address` (cuda._packed_address); the collectives read the same cached
-    # views every call, so the check is done once per view, not per call
-    packed_check: tuple | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def num_groups(self) -> int:
-        return self.payload.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.pre_scale is None else self.pre_scale.numel() * 4
-        return self.payload.numel() + self.scale.numel() * 4 + extra
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -247,18 +138,12 @@ def _rms(g: torch.Tensor) -> torch.Tensor:
 
 
 def compress(x: torch.Tensor, cfg: QuantConfig | None = None, impl: Impl = "reference") -> Compressed:
-    """Compress `x` (any shape, floating point) to FP8 groups with their scales.
+    """Compress `x` (any shape, floating point) to FP8 groups with their scales, by codec `impl`
+    (every codec gives the reference's bits)."""
+    return get_codec(impl).compress(x, cfg or QuantConfig())
 
-    impl="triton" / "cuda" runs a fused kernel (same bits as this reference; kernels.py, cuda.py)."""
-    cfg = cfg or QuantConfig()
-    if impl == "triton":
-        from commweave.taco import kernels
-        return kernels.compress(x, cfg)
-    if impl == "cuda":
-        from commweave.taco import cuda
-        return cuda.compress(x, cfg)
-    if impl != "reference":
-        raise ValueError(f"impl must be 'reference', 'triton' or 'cuda', got {impl!r}")
+
+def _compress(x: torch.Tensor, cfg: QuantConfig) -> Compressed:
     if not x.is_floating_point():
         raise TypeError(f"compress needs a floating-point tensor, got {x.dtype}")
     g = _groups(x, cfg)
@@ -291,17 +176,11 @@ def _quantize(g: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Te
 
 
 def decompress(c: Compressed, dtype: torch.dtype | None = None, impl: Impl = "reference") -> torch.Tensor:
-    """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from).
+    """The tensor `c` stands for, in `dtype` (default: the dtype it was compressed from), by codec `impl`."""
+    return get_codec(impl).decompress(c, dtype)
 
-    impl="triton" / "cuda" runs a fused kernel (same bits as this reference; kernels.py, cuda.py)."""
-    if impl == "triton":
-        from commweave.taco import kernels
-        return kernels.decompress(c, dtype)
-    if impl == "cuda":
-        from commweave.taco import cuda
-        return cuda.decompress(c, dtype)
-    if impl != "reference":
-        raise ValueError(f"impl must be 'reference', 'triton' or 'cuda', got {impl!r}")
+
+def _decompress(c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
     if c.config.hadamard == "adaptive":  # a negative scale marks a transformed group
         g = c.payload.float() * c.scale.abs()[:, None]
         transformed = c.scale < 0
@@ -332,32 +211,34 @@ def plain_fp8_cast(x: torch.Tensor, fmt: str = "e4m3", per_tensor_scale: bool = 
     return (q.float() * scale).to(x.dtype)
 
 
-# -- wire format: one contiguous uint8 buffer per message (what a symmetric window would hold) --
+class ReferenceCodec(PerMessageCodec):
+    """This module's compress/decompress as a codec (torch, any device): the reference bits."""
 
-def pack(c: Compressed) -> torch.Tensor:
-    """payload bytes, then FP32 scale, then FP32 pre-scale (if any), as one uint8 tensor."""
-    parts = [c.payload.reshape(-1).view(torch.uint8), c.scale.contiguous().view(torch.uint8)]
-    if c.pre_scale is not None:
-        parts.append(c.pre_scale.contiguous().view(torch.uint8))
-    return torch.cat(parts)
+    def compress(self, x: torch.Tensor, cfg: QuantConfig) -> Compressed:
+        return _compress(x, cfg)
 
+    def decompress(self, c: Compressed, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _decompress(c, dtype)
 
-def packed_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
-    """A Compressed whose tensors are views of a packed buffer, no copy (for a peer's window, a
-    copy of the scales would be an extra NVLink round trip)."""
-    shape = torch.Size(shape)
-    numel = math.prod(shape)
-    groups = cfg.num_groups(numel)
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != cfg.wire_bytes(numel):
-        raise ValueError(f"buffer of {buf.numel()} {buf.dtype} does not hold {tuple(shape)} under {cfg}")
-    n_payload = groups * cfg.group_size  # a multiple of 32: the scales stay 4-byte aligned
-    payload = buf[:n_payload].view(cfg.fp8_dtype).view(groups, cfg.group_size)
-    scale = buf[n_payload:n_payload + 4 * groups].view(torch.float32)
-    pre = buf[n_payload + 4 * groups:].view(torch.float32) if cfg.dual_scale else None
-    return Compressed(payload, scale, pre, shape, dtype, cfg)
+    def compress_one(self, x: torch.Tensor, cfg: QuantConfig, buf: torch.Tensor) -> None:
+        buf.copy_(pack(_compress(x, cfg)))
+
+    def decompress_one(self, c: Compressed, out: torch.Tensor) -> None:
+        out.copy_(_decompress(c, out.dtype).view(out.shape))
+
+    def accumulate_one(self, c: Compressed, acc: torch.Tensor) -> None:
+        acc.add_(_decompress(c, torch.float32).view(acc.shape))  # = collectives._sum_fp32's `total + d`
 
 
-def unpack(buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: QuantConfig) -> Compressed:
-    """Inverse of pack() for a tensor of `shape`/`dtype` compressed with `cfg`: a copy of the buffer
-    (which may sit at any byte offset, e.g. a slice of a received batch), viewed as packed_view does."""
-    return packed_view(buf.clone(), shape, dtype, cfg)
+CODECS: dict[str, Callable[[], Codec]] = {"reference": ReferenceCodec, "triton": TritonCodec, "cuda": CudaCodec}
+_made: dict[str, Codec] = {}
+
+
+def get_codec(impl: Impl = "reference") -> Codec:
+    """The codec named `impl`, made once per process (the kernels' modules are imported then)."""
+    if impl not in CODECS:
+        *first, last = map(repr, CODECS)
+        raise ValueError(f"impl must be {', '.join(first)} or {last}, got {impl!r}")
+    if impl not in _made:
+        _made[impl] = CODECS[impl]()
+    return _made[impl]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from commweave.taco import collectives as cc
 from commweave.taco.bandwidth import OPS as MEASURED_OPS
-from commweave.taco.collectives import AllReduceAlgo
+from commweave.taco.backend import AllReduceAlgo
 from commweave.taco.quant import QuantConfig
 
 ALGORITHMS: dict[str, AllReduceAlgo] = {"all_reduce_one_shot": "one_shot", "all_reduce_two_shot": "two_shot"}

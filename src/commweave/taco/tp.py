@@ -16,6 +16,9 @@ commweave.taco.collectives, through its `backend` argument: "reference" (torch.d
 "device" (device-initiated over symmetric windows; CUDA graph capture works after a warm-up
 call), or "auto" (the measured per-size choice).
 
+`group` is the TP group: a ProcessGroup, or a DeviceMesh and its TP dimension as (mesh, dim) (a
+one-dimensional mesh alone also does); default, every rank.
+
 Parameters whose gradient is computed from this rank's sequence shard only (RowParallelLinear's
 bias, replicated on every rank) carry `sequence_parallel = True`; as in Megatron, their gradients
 must be all-reduced over the TP group: allreduce_sequence_parallel_grads() does it.
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commweave.taco import collectives as cc
+from commweave.taco.backend import Group, resolve_group
 from commweave.taco.quant import QuantConfig
 
 _SAME = object()  # grad_compression default: the forward's setting
@@ -65,24 +69,24 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, compression: QuantConfig | None = None, grad_compression: Any = _SAME,
-                                  group: Any = None, backend: str = "reference") -> torch.Tensor:
+                                  group: Group = None, backend: str = "reference") -> torch.Tensor:
     grad_cfg = compression if grad_compression is _SAME else grad_compression
-    return _GatherFromSequenceParallel.apply(x, compression, grad_cfg, group, backend)
+    return _GatherFromSequenceParallel.apply(x, compression, grad_cfg, resolve_group(group), backend)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, compression: QuantConfig | None = None,
-                                        grad_compression: Any = _SAME, group: Any = None,
+                                        grad_compression: Any = _SAME, group: Group = None,
                                         backend: str = "reference") -> torch.Tensor:
     grad_cfg = compression if grad_compression is _SAME else grad_compression
-    return _ReduceScatterToSequenceParallel.apply(x, compression, grad_cfg, group, backend)
+    return _ReduceScatterToSequenceParallel.apply(x, compression, grad_cfg, resolve_group(group), backend)
 
 
 class _TPLinear(nn.Module):
-    def __init__(self, compression: QuantConfig | None, grad_compression: Any, group: Any, backend: str):
+    def __init__(self, compression: QuantConfig | None, grad_compression: Any, group: Group, backend: str):
         super().__init__()
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group = resolve_group(group)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.compression = compression
         self.grad_compression = compression if grad_compression is _SAME else grad_compression
         self.backend = backend
@@ -96,7 +100,7 @@ class ColumnParallelLinear(_TPLinear):
     """y[:, :, shard] = all_gather_seq(x) @ W[shard].T + b[shard]; weight split along out_features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, compression: QuantConfig | None = None,
-                 grad_compression: Any = _SAME, group: Any = None, backend: str = "reference",
+                 grad_compression: Any = _SAME, group: Group = None, backend: str = "reference",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__(compression, grad_compression, group, backend)
         if out_features % self.world_size:
@@ -124,7 +128,7 @@ class RowParallelLinear(_TPLinear):
     """y_seq_shard = reduce_scatter_seq(x @ W[:, shard].T) + b; weight split along in_features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, compression: QuantConfig | None = None,
-                 grad_compression: Any = _SAME, group: Any = None, backend: str = "reference",
+                 grad_compression: Any = _SAME, group: Group = None, backend: str = "reference",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__(compression, grad_compression, group, backend)
         if in_features % self.world_size:
@@ -152,9 +156,10 @@ class RowParallelLinear(_TPLinear):
         return out if self.bias is None else out + self.bias
 
 
-def allreduce_sequence_parallel_grads(modules: Iterable[nn.Module], group: Any = None) -> None:
+def allreduce_sequence_parallel_grads(modules: Iterable[nn.Module], group: Group = None) -> None:
     """Sum over the TP group the gradients of parameters marked `sequence_parallel` (uncompressed:
     they are small)."""
+    group = resolve_group(group)
     for module in modules:
         for p in module.parameters():
             if getattr(p, "sequence_parallel", False) and p.grad is not None:

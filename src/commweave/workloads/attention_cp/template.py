@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from commweave.evaluate.program import with_config
+from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
-from commweave.workloads.base import Shape
+from commweave.contracts.workload import Shape, Workload
 
 COMM_CTAS = (4, 8, 16, 32, 64)
 KNOBS: dict[str, tuple[Any, ...]] = {
@@ -46,19 +46,13 @@ RENAMED = {"block_kernel": "backend"}  # template knob -> CONFIG key (`backend` 
 
 
 class AttentionCPTemplate(Template):
-    workload = "attention-cp"
-
-    def __init__(self, workload: Any = None):
-        if workload is None:
-            from commweave.workloads.attention_cp.workload import AttentionCP
-
-            workload = AttentionCP()
-        self.wl = workload
+    def __init__(self, workload: Workload):
+        super().__init__(workload)
         self._texts = {direction: workload.program_text(name) for direction, name in PROGRAM.items()}
 
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=1 << 20, chunk_bytes_max=1 << 30, comm_ctas=COMM_CTAS,
-                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+                     tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
 
     def supported(self) -> dict[str, tuple[Any, ...]]:
         return {"backend": ("lsa",), "placement": ("split",), "sync": ("peer", "chunk"), "issuer": ("cta",),
@@ -82,7 +76,7 @@ class AttentionCPTemplate(Template):
                                             accumulate="out", q_block=0))
 
     def default_shape(self, world_size: int) -> Shape:
-        return self.wl.make_shape(32768, 32, 8, 128, False, world_size)
+        return self.workload.make_shape(32768, 32, 8, 128, False, world_size)
 
     @staticmethod
     def pieces(ds: DirectiveSet, shape: Shape, world_size: int) -> int:
@@ -106,6 +100,3 @@ class AttentionCPTemplate(Template):
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         return with_config(self._texts[ds.knob_dict["direction"]], **self.config_for(ds, shape, world_size))
 
-
-def make_template(workload: Any = None) -> AttentionCPTemplate:
-    return AttentionCPTemplate(workload)

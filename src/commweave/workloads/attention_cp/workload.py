@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from commweave.workloads.attention_cp.attention import chunked_attention, shard_positions, shard_ranges, visible_pairs
-from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
+from commweave.contracts.workload import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 
 SEQ_LENGTHS = (16384, 32768, 65536, 131072)
 HEADS = ((32, 8), (32, 32))  # (query heads, KV heads): Llama-style GQA, and plain multi-head
@@ -141,9 +141,9 @@ class AttentionCP(Workload):
         )
 
     def template(self):
-        from commweave.workloads.attention_cp.template import make_template
+        from commweave.workloads.attention_cp.template import AttentionCPTemplate
 
-        return make_template(self)
+        return AttentionCPTemplate(self)
 
     def ideal_flops(self, shape: Shape, world_size: int, rank: int) -> float:
         """FLOPs of `rank`'s attention with all KV present (equal on every rank when balanced)."""

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from commweave.evaluate.program import with_config
+from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
-from commweave.taco.quant import GROUP_SIZES as TACO_GROUP_SIZES
-from commweave.workloads.base import Shape
+from commweave.contracts.workload import Shape, Workload
 
 MAX_CHUNKS = 64  # more pieces per shard than this only adds GEMM launches
 
@@ -45,25 +44,18 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class GemmAllGatherTemplate(Template):
-    workload = "gemm-allgather"
-
-    def __init__(self, workload: Any = None):
-        if workload is None:
-            from commweave.workloads.gemm_allgather.workload import GemmAllGather
-
-            workload = GemmAllGather()
-        self.wl = workload
-        self.workload = workload.name  # gemm-allgather, or a variant declaring another tolerance
+    def __init__(self, workload: Workload):
+        super().__init__(workload)
         self._seed_text = workload.program_text(workload.seed)
 
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=256 << 10, chunk_bytes_max=64 << 20, comm_ctas=(1, 2, 4, 8, 16, 32),
-                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+                     tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
 
     def supported(self) -> dict[str, tuple[Any, ...]]:
         return {"backend": ("lsa", "ce"), "placement": ("split", "deferred"), "sync": ("chunk", "peer", "global"),
                 "issuer": ("cta", "thread"),
-                "compression": ("none", "fp8_e4m3", "fp8_e5m2"), "group_size": (0, *TACO_GROUP_SIZES),
+                "compression": ("none", "fp8_e4m3", "fp8_e5m2"),
                 "language": ("cuda",),
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
@@ -75,7 +67,7 @@ class GemmAllGatherTemplate(Template):
                                             carveout=True, graph=True))
 
     def default_shape(self, world_size: int) -> Shape:
-        return self.wl.make_shape(8192, 8192, 8192, world_size)
+        return self.workload.make_shape(8192, 8192, 8192, world_size)
 
     @staticmethod
     def chunks_for(ds: DirectiveSet, shape: Shape, world_size: int) -> int:
@@ -87,12 +79,12 @@ class GemmAllGatherTemplate(Template):
     def unsupported(self, ds: DirectiveSet) -> list[str]:
         why = super().unsupported(ds)
         if ds.backend == "lsa" and ds.issuer != "cta":
-            why.append(f"{self.workload}'s lsa push is written per CTA (one signal per CTA): issuer cta only, not {ds.issuer!r}")
+            why.append(f"{self.workload.name}'s lsa push is written per CTA (one signal per CTA): issuer cta only, not {ds.issuer!r}")
         if ds.compression != "none" and (ds.backend != "lsa" or ds.placement != "split"):
-            why.append(f"{self.workload}'s compressed path pulls each chunk as its flag lands: backend lsa with "
+            why.append(f"{self.workload.name}'s compressed path pulls each chunk as its flag lands: backend lsa with "
                        f"placement split only, not {ds.backend} with {ds.placement}")
         if (ds.placement == "deferred") != (ds.sync == "global"):
-            why.append(f"{self.workload}'s template pairs placement deferred with sync global (one barrier after "
+            why.append(f"{self.workload.name}'s template pairs placement deferred with sync global (one barrier after "
                        f"the whole push, then the GEMMs) and split with chunk or peer, not {ds.placement} with {ds.sync}")
         return why
 
@@ -102,6 +94,3 @@ class GemmAllGatherTemplate(Template):
                            chunks=self.chunks_for(ds, shape, world_size), overlap=ds.placement == "split",
                            **compression, **ds.knob_dict)
 
-
-def make_template(workload: Any = None) -> GemmAllGatherTemplate:
-    return GemmAllGatherTemplate(workload)

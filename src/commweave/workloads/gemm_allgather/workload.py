@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from commweave.workloads.base import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
+from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
                                       seeded_generator)
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
@@ -97,9 +97,9 @@ class GemmAllGather(Workload):
         )
 
     def template(self):
-        from commweave.workloads.gemm_allgather.template import make_template
+        from commweave.workloads.gemm_allgather.template import GemmAllGatherTemplate
 
-        return make_template(self)
+        return GemmAllGatherTemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,

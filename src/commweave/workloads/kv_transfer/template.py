@@ -23,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from commweave.evaluate.program import with_config
+from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
-from commweave.workloads.base import Shape
+from commweave.contracts.profile import H200
+from commweave.contracts.workload import Shape, Workload
 
 KNOBS: dict[str, tuple[Any, ...]] = {
     # threads is the kernel's __launch_bounds__ (compiled in), so every value fits an SM
@@ -35,23 +36,17 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "graph": (True, False),
     "prefill_mode": ("pull", "push"),  # P > 0: the destination pulls, or the source pushes (P = 0 always pushes)
 }
-COMM_CTAS = (1, 2, 4, 8, 16, 32, 64, 96, 132)  # 132: one per SM of an H200
+COMM_CTAS = (1, 2, 4, 8, 16, 32, 64, 96, H200.sms)  # the last: one per SM
 
 
 class KvTransferTemplate(Template):
-    workload = "kv-transfer"
-
-    def __init__(self, workload: Any = None):
-        if workload is None:
-            from commweave.workloads.kv_transfer.workload import KvTransfer
-
-            workload = KvTransfer()
-        self.wl = workload
+    def __init__(self, workload: Workload):
+        super().__init__(workload)
         self._seed_text = workload.program_text(workload.seed)
 
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=1 << 20, chunk_bytes_max=1 << 30, comm_ctas=COMM_CTAS,
-                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+                     tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
 
     def supported(self) -> dict[str, tuple[Any, ...]]:
         return {"backend": ("lsa",), "placement": ("split",), "sync": ("chunk",), "issuer": ("cta",),
@@ -59,14 +54,14 @@ class KvTransferTemplate(Template):
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
     def seed_directives(self) -> DirectiveSet:
-        """The seed on the default (prefill) shape: pull mode with 132 pulling CTAs, one layer per
+        """The seed on the default (prefill) shape: pull mode with one pulling CTA per SM, one layer per
         launch, its CONFIG defaults."""
-        return DirectiveSet.make(backend="lsa", placement="split", sync="chunk", issuer="cta", comm_ctas=132,
+        return DirectiveSet.make(backend="lsa", placement="split", sync="chunk", issuer="cta", comm_ctas=H200.sms,
                                  chunk_bytes=1 << 20, language="cuda",
                                  knobs=dict(threads=512, unroll=4, comm_priority=-1, graph=True, prefill_mode="pull"))
 
     def default_shape(self, world_size: int) -> Shape:
-        return self.wl.make_shape(8192, world_size, passes=13)
+        return self.workload.make_shape(8192, world_size, passes=13)
 
     @staticmethod
     def layers_per_launch(ds: DirectiveSet, shape: Shape) -> int:
@@ -86,6 +81,3 @@ class KvTransferTemplate(Template):
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         return with_config(self._seed_text, **self.config_for(ds, shape))
 
-
-def make_template(workload: Any = None) -> KvTransferTemplate:
-    return KvTransferTemplate(workload)

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import torch
 
-from commweave.workloads.base import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
+from commweave.contracts.workload import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
 
 LAYERS = 32  # Llama-3-8B
 KV_HEADS = 8
@@ -195,7 +195,7 @@ class KvTransfer(Workload):
     def judge_strict(self, out: torch.Tensor, shape: Shape, world_size: int, rank: int, seed: int) -> str | None:
         """None if `out` (poisoned before the call) is bit-exact on every written page and still
         poisoned everywhere else; else what is wrong."""
-        from commweave.evaluate.checks import poisoned_mask
+        from commweave.contracts.poison import poisoned_mask
 
         want, written = self.expected(shape, world_size, rank, seed, out.device)
         poisoned = poisoned_mask(out)
@@ -226,9 +226,9 @@ class KvTransfer(Workload):
         return 0.0  # a copy is bit-exact (a relative error would let a few wrong pages through)
 
     def template(self):
-        from commweave.workloads.kv_transfer.template import make_template
+        from commweave.workloads.kv_transfer.template import KvTransferTemplate
 
-        return make_template(self)
+        return KvTransferTemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from commweave.evaluate.program import with_config
+from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
-from commweave.taco.quant import GROUP_SIZES as TACO_GROUP_SIZES
-from commweave.workloads.base import Shape
+from commweave.contracts.workload import Shape, Workload
 
 REGION = 64 << 20  # the chunk-bytes value that stands for "one flag per (source, destination)"
 
@@ -42,25 +41,18 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class MoETemplate(Template):
-    workload = "moe"
-
-    def __init__(self, workload: Any = None):
-        if workload is None:
-            from commweave.workloads.moe.workload import MoELayer
-
-            workload = MoELayer()
-        self.wl = workload
-        self.workload = workload.name  # moe, or a variant declaring another tolerance (moe-lossy)
+    def __init__(self, workload: Workload):
+        super().__init__(workload)
         self._seed_text = workload.program_text(workload.seed)
 
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=REGION, chunk_bytes_max=REGION, comm_ctas=COMM_CTAS,
-                     tolerance=self.wl.tolerance(), capabilities=capabilities or Capabilities())
+                     tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
 
     def supported(self) -> dict[str, tuple[Any, ...]]:
         return {"backend": ("lsa",), "placement": ("split",), "comm_ctas": COMM_CTAS, "sync": ("peer",), "issuer": ("cta",),
                 "chunk_bytes": (REGION,), "compression": ("none", "fp8_e4m3", "fp8_e5m2"),
-                "group_size": (0, *TACO_GROUP_SIZES), "language": ("cuda",),
+                "language": ("cuda",),
                 **{f"knob:{k}": v for k, v in KNOBS.items()}}
 
     def seed_directives(self) -> DirectiveSet:
@@ -71,12 +63,9 @@ class MoETemplate(Template):
                                             experts="auto", swiglu="fused", wait="kernel", graph=True))
 
     def default_shape(self, world_size: int) -> Shape:
-        return self.wl.dsv3_shape(4096, world_size)
+        return self.workload.dsv3_shape(4096, world_size)
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         compression = {"compression": ds.compression, "group_size": ds.group_size} if ds.compression != "none" else {}
         return with_config(self._seed_text, comm_ctas=ds.comm_ctas, **compression, **ds.knob_dict)
 
-
-def make_template(workload: Any = None) -> MoETemplate:
-    return MoETemplate(workload)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from commweave.workloads.base import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
+from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
                                       seeded_generator)
 from commweave.workloads.moe import routing
 
@@ -171,9 +171,9 @@ class MoELayer(Workload):
         return Cost(flops=flops, comm_bytes=comm, memory_bytes=memory, wire_ratio=self.wire_ratio(h, item))
 
     def template(self):
-        from commweave.workloads.moe.template import make_template
+        from commweave.workloads.moe.template import MoETemplate
 
-        return make_template(self)
+        return MoETemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,

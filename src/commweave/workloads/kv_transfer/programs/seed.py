@@ -4,8 +4,7 @@ stores them straight into the decode GPU's cache `out` over NVLink (LSA), layer 
 `out` is a symmetric tensor (the workload sets `symmetric_output`, so the harness allocates every
 rank's cache with `ctx.symmetric`, collectively, at the same offset of the same window): the
 source reaches the destination's pages through `ctx.window(out)` and `ncclGetLsaPointer`. There is
-no landing buffer and no copy on the destination (v0 had both: 2 x the moved bytes of local HBM
-traffic there).
+no landing buffer and no copy on the destination (they would double the local HBM traffic there).
 
 Source (even rank). Transfer-only shapes (P = 0): one `kv_push` launch over all layers (nothing to
 overlap with, so one launch and no per-launch tail). With the stand-in prefill (P > 0): per group
@@ -22,8 +21,7 @@ Destination (odd rank): one small `kv_land` kernel per call on its current strea
 then one thread waits (acquire) until every flags[layer] reaches `ctas` and sets them back to 0.
 
 Pull mode (`prefill_mode="pull"`, P > 0 only, the default there). Pushing takes `prefill_ctas`
-SMs from the prefill's GEMMs for as long as the NVLink stores take (v1.1: S2048-P13 43.2 ms against
-41.7 ms for the prefill alone). In pull mode the source's `kv_push` only writes its own cache (the
+SMs from the prefill's GEMMs for as long as the NVLink stores take (NOTES.md has the cost). In pull mode the source's `kv_push` only writes its own cache (the
 write a prefill does anyway: on the current stream between the GEMMs, with `ctas` CTAs, a few µs
 of HBM time a layer) and releases the layer; the destination,
 whose SMs are idle, runs one `kv_pull` over all layers with `pull_ctas` CTAs: per layer, wait for
@@ -42,8 +40,8 @@ Why this is safe (push; pull below):
   covering that layer signals it once, even with no page in it), so the target is the constant
   `ctas`, and `kv_land` resets the counters once it has seen them all. No signal of the next call
   can race that reset: the next call's pushes start after the next barrier, which the destination
-  enters only after this `kv_land` finished (stream order). (v0 let counters grow, target = ctas x
-  call number; a constant target is what lets a call be replayed as a CUDA graph.)
+  enters only after this `kv_land` finished (stream order). A constant target is what lets a call
+  be replayed as a CUDA graph.
 - Visibility: a CTA's stores of a layer are ordered before its release by `__syncthreads` (bar.sync
   is cumulative, NCCL's barrier relies on the same); the waiter's acquire, then the kernel
   boundary, make every page visible to what the destination's stream runs next.
@@ -58,8 +56,7 @@ next barrier, so they cannot race the reset.
 
 A transfer-only call is replayed as a CUDA graph (`graph`), captured per input/output addresses:
 one launch instead of a few Python-issued ones. Calls with the stand-in prefill run eagerly: its
-cuBLAS GEMMs ran slower inside a captured graph (S2048-P13, pull: 41989 µs captured, 40394 eager;
-sweep-kv-transfer-2gpu-20261201T000115Z.json).
+cuBLAS GEMMs ran slower inside a captured graph (NOTES.md).
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""Device-initiated seed (v1): LSA dispatch straight into an expert-major receive pool, one pair
+"""Device-initiated seed: LSA dispatch straight into an expert-major receive pool, one pair
 of grouped GEMMs over the pool as it lies, one LSA combine kernel back to the tokens' owners.
 
 Symmetric buffers on every rank (W ranks, T tokens, top-k K, P = E/W local experts, R = T*K):

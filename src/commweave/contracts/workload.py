@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from commweave.contracts.profile import COMPRESSION_ERROR, MAX_GROUP
+from commweave.contracts.program import with_config
+
 #: the declared tolerance of the "-lossy" variants (gemm-allgather-lossy, moe-lossy), for callers who
 #: accept lossy communication as tensor-parallel training does with activations: above FP8 E4M3's
 #: expected error (space.COMPRESSION_ERROR, 0.036; measured 0.026 on Gaussian rows with TACO,
@@ -101,8 +104,6 @@ class Workload(ABC):
 
     def yardstick_text(self, name: str) -> str:
         """The program text of yardstick `name`: its program with the yardstick's CONFIG."""
-        from commweave.evaluate.program import with_config
-
         if name not in self.yardsticks:
             raise KeyError(f"workload {self.name!r} has no yardstick {name!r} (has: {', '.join(self.yardsticks) or 'none'})")
         program, config = self.yardsticks[name]
@@ -160,9 +161,6 @@ class Workload(ABC):
         admits no compression (the design space's rule: a format's expected error within it), else
         FP8 with one FP32 scale per 512 values (the largest group the kernels take), the most
         compressed exchange it admits, so the floor stays a lower bound for every admitted program."""
-        from commweave.space.directives import COMPRESSION_ERROR
-        from commweave.taco.quant import MAX_GROUP
-
         if not any(err <= self.tolerance() for err in COMPRESSION_ERROR.values()):
             return 1.0
         return (values + 4 * -(-values // MAX_GROUP)) / (values * item_bytes)
