@@ -637,7 +637,7 @@ __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t*
 
 // a / b for the kernels' item arithmetic (a >= 0, b >= 1, warp-uniform): nothing for b = 1, 32-bit
 // unsigned division while both fit (a 64-bit division is a ~60-instruction call, and compress and
-// gather did one to three an item), else 64-bit.
+// gather need one to three an item), else 64-bit.
 __device__ __forceinline__ long long item_div(long long a, long long b) {
   if (b == 1) return a;
   if (a <= 0xffffffffLL && b <= 0xffffffffLL) return (unsigned)a / (unsigned)b;
