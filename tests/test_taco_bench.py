@@ -61,3 +61,21 @@ def test_bandwidth_variants():
     assert DeviceBackend(**variant("cuda-fused")).fuse_barriers and not DeviceBackend(**variant("cuda")).fuse_barriers
     with pytest.raises(ValueError, match="only the CUDA codec's kernels perform barriers"):
         DeviceBackend(codec="triton", fuse_barriers=True)
+
+
+def test_codec_bench_pieces_on_cpu():
+    """bench/taco_codec.py's yardstick and rotation (the timed run needs a GPU): the plain quantizer's
+    bytes and scales, input sets past twice the L2, and its tunings' names."""
+    spec = importlib.util.spec_from_file_location("taco_codec", BENCH.with_name("taco_codec.py"))
+    codec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(codec)
+    x = torch.randn(4 * 128, dtype=torch.bfloat16)
+    q, scale = codec.plain_quantize(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (4, 128) and scale.shape == (4, 1)
+    back = codec.plain_dequantize(q, scale)
+    assert back.dtype == torch.bfloat16 and ((back.float() - x.float()).norm() / x.float().norm()) < 0.05
+    from commweave.contracts.profile import H200
+
+    for mib in (4, 16, 64, 256):
+        assert codec._sets(mib) * mib * codec.MIB * 3 // 2 >= min(2 * H200.l2_bytes, 16 * mib * codec.MIB * 3 // 2)
+    assert {"legacy", "default"} <= set(codec.TUNINGS) and codec.TUNINGS["default"] == codec.cuda.Tuning()

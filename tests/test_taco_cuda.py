@@ -58,6 +58,50 @@ def test_every_specialization_class_compiles_for_sm90():
             assert frame[1] <= limit and frame[2] <= limit, (cfg, dtype, n, frames)
 
 
+def test_every_tuning_compiles_without_spills_at_the_defaults():
+    """The tunings' other paths (16-bit fetch, no transposed layout) keep compiling, and at TACO's
+    defaults the transposed layout's kernels keep their registers (no stack frame but sum-compress's)."""
+    toolchain_or_skip()
+    cases = [(cuda.Tuning(fetch16=True, transpose=False), torch.bfloat16), (cuda.Tuning(), torch.float32),
+             (cuda.Tuning(), torch.bfloat16)]
+    sources = []
+    for tuning, dtype in cases:
+        previous = cuda.set_tuning(tuning)
+        try:
+            sources.append(cuda.specialization(QuantConfig(128), dtype, 2))
+        finally:
+            cuda.set_tuning(previous)
+    with ThreadPoolExecutor(3) as pool:
+        logs = list(pool.map(lambda text: compile_cubin(text).log, sources))
+    for (tuning, dtype), log in zip(cases, logs):
+        frames = dict(zip(re.findall(r"Function properties for (\w+)", log),
+                          [int(re.search(r"(\d+) bytes stack frame", line).group(1))
+                           for line in log.splitlines() if "stack frame" in line]))
+        assert set(frames) == {"taco_compress", "taco_gather", "taco_sum", "taco_sum_compress"}, log
+        assert all(v == 0 for k, v in frames.items() if k != "taco_sum_compress"), (tuning, dtype, frames)
+
+
+def test_tuning_sets_the_macros_and_the_grid(monkeypatch):
+    """set_tuning recompiles with the tuning's macros; the persistent grid is the resident blocks at
+    most (the kernel's launch bound where no driver occupancy is known), the legacy one 8 a SM."""
+    monkeypatch.setattr(cuda, "_sm_count", lambda index: 132)
+    previous = cuda.set_tuning(cuda.Tuning(fetch16=True, transpose=False))
+    try:
+        text = cuda.specialization(QuantConfig(), torch.bfloat16, 2)
+        assert "#define TACO_FETCH16 1\n" in text and "#define TACO_TRANSPOSE 0\n" in text
+        assert cuda._min_blocks_of(text, "taco_compress") == cuda.MIN_BLOCKS_PER_SM["compress"]
+        assert cuda._min_blocks_of(text, "taco_sum_compress") == cuda.MIN_BLOCKS_PER_SM["sum"]
+        assert cuda._resident_blocks(object(), 3) == 3  # not a driver function: the launch bound
+        assert cuda._grid(0, 100_000, 2) == 264 and cuda._grid(0, 9, 2) == 2 and cuda._grid(0, 0, 2) == 1
+        cuda.set_tuning(cuda.Tuning(persistent=False))
+        assert cuda._grid(0, 100_000, 2) == 132 * 8
+        text = cuda.specialization(QuantConfig(), torch.bfloat16, 2)
+        assert "#define TACO_FETCH16 0\n" in text and "#define TACO_TRANSPOSE 1\n" in text
+    finally:
+        cuda.set_tuning(previous)
+    assert cuda.TUNING == previous
+
+
 def test_specialization_refuses_what_the_kernels_do_not_take():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         cuda.specialization(QuantConfig(), torch.float64)

@@ -39,9 +39,41 @@ MAX_SOURCES = 8  # `Sources` in the .cu
 THREADS = 256
 # register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
 # fewer registers; measured with bench/probe_taco_kernels.py: compress is fastest at 2 and spills
-# at 3, gather is as fast at 2, 3 or 4)
-MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 4, "sum": 2}
-_GRID_BLOCKS_PER_SM = 8  # grid size cap; warps loop over the remaining work
+# at 3, gather is as fast at 2, 3 or 4; the transposed layout's gather spills at 4)
+MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 3, "sum": 2}
+_KERNEL_BUDGET = {"taco_compress": "compress", "taco_gather": "gather", "taco_sum": "sum", "taco_sum_compress": "sum"}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the kernels are launched and specialised, beyond the QuantConfig (every setting keeps the
+    reference's bits; bench/taco_codec.py times them against each other in one process).
+
+    persistent: the grid is at most the blocks that are resident at once (SMs x the kernel's
+      occupancy), each warp looping over items with the next one's bytes in flight, so no block waits
+      for a second wave and a message of 4-64 MiB is not a few short waves of one item per warp;
+      False: up to `legacy_blocks_per_sm` blocks per SM (one item per warp below ~32 MiB).
+    fetch16: compress also fetches 16-bit input's next item into shared memory (cp.async) while it
+      compresses the current one, as it always does for FP32 input (off: slower on an H200, NOTES.md).
+    transpose: G = 128 only: the cross-lane Hadamard stages and the RMS's cross-lane halvings run in
+      registers after an exchange through shared memory (a lane then holds elements of all four of its
+      group's lanes) instead of one warp shuffle per element and stage."""
+
+    persistent: bool = True
+    fetch16: bool = False
+    transpose: bool = True
+    legacy_blocks_per_sm: int = 8
+
+
+TUNING = Tuning()
+
+
+def set_tuning(tuning: Tuning) -> Tuning:
+    """Use `tuning` for later launches (recompiles on first use); returns the previous one."""
+    global TUNING
+    previous, TUNING = TUNING, tuning
+    specialization.cache_clear()
+    return previous
 
 
 @dataclass(frozen=True)
@@ -109,7 +141,8 @@ def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> s
               "TACO_DUAL": int(cfg.dual_scale), "TACO_CAST": DTYPE_CODE[cfg.transform_input_dtype],
               "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum,
               **{f"TACO_MIN_BLOCKS_{k.upper()}": _min_blocks(k, cfg) for k in MIN_BLOCKS_PER_SM},
-              "TACO_FWHT_SCALE": _fp32_literal(1.0 / math.sqrt(cfg.group_size))}
+              "TACO_FWHT_SCALE": _fp32_literal(1.0 / math.sqrt(cfg.group_size)),
+              "TACO_FETCH16": int(TUNING.fetch16), "TACO_TRANSPOSE": int(TUNING.transpose)}
     return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
 
 
@@ -174,8 +207,9 @@ def _launch(device: torch.device, source: str, name: str, warp_items: int, args:
     """Launch kernel `name` of `source`'s cubin on `device`'s current stream, one warp per item (a
     grid of at most `max_blocks` blocks when given: the warps loop over the rest)."""
     index = _device_index(device)
-    grid = _grid(index, warp_items)
-    launch = Launch(_module(index, source).kernel(name), grid if max_blocks is None else min(grid, max_blocks), index,
+    kernel = _module(index, source).kernel(name)
+    grid = _grid(index, warp_items, _resident_blocks(kernel, _min_blocks_of(source, name)))
+    launch = Launch(kernel, grid if max_blocks is None else min(grid, max_blocks), index,
                     tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), slots)
     launch()
     recorded = _recorder.get()
@@ -188,9 +222,36 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _grid(device_index: int, warp_items: int) -> int:
+def _min_blocks_of(source: str, name: str) -> int:
+    """The register budget `source` was specialised with for kernel `name` (its launch bound)."""
+    macro = f"#define TACO_MIN_BLOCKS_{_KERNEL_BUDGET[name].upper()} "
+    start = source.index(macro) + len(macro)
+    return int(source[start:source.index("\n", start)])
+
+
+_resident: dict[Any, int] = {}
+
+
+def _resident_blocks(kernel: Any, launch_bound: int) -> int:
+    """Blocks of THREADS of `kernel` resident at once on an SM (the driver's occupancy for its
+    registers and shared memory; the launch bound where the kernel is not a driver function)."""
+    function = getattr(kernel, "function", None)
+    if function is None:
+        return launch_bound
+    if kernel not in _resident:
+        from commweave.runtime.launch import _driver
+
+        err, blocks = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(function, THREADS, 0)
+        _resident[kernel] = int(blocks) if int(err) == 0 and int(blocks) > 0 else launch_bound
+    return _resident[kernel]
+
+
+def _grid(device_index: int, warp_items: int, resident: int) -> int:
+    """Blocks for `warp_items` warps' worth of items: a persistent grid (at most the blocks resident at
+    once: warps loop over the rest) under TUNING.persistent, else capped at legacy_blocks_per_sm."""
     blocks = -(-warp_items // (THREADS // 32))
-    return max(1, min(blocks, _sm_count(device_index) * _GRID_BLOCKS_PER_SM))
+    per_sm = resident if TUNING.persistent else TUNING.legacy_blocks_per_sm
+    return max(1, min(blocks, _sm_count(device_index) * per_sm))
 
 
 def _items(numel: int) -> int:

@@ -24,6 +24,9 @@
 //   TACO_NSRC      messages the summing decompress adds (1..8)
 //   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks of 256 threads per SM each kernel's registers allow
 //   TACO_FWHT_SCALE  1/sqrt(G) rounded to FP32 (a hex literal)
+//   TACO_FETCH16   1: compress fetches 16-bit input's next item into shared memory, as FP32's
+//   TACO_TRANSPOSE 1: at G = 128, cross-lane butterflies and halvings in registers after an exchange
+//                  through shared memory (see "Transposed layout" below)
 //
 // Packed layout of one message (`quant.pack`): FP8 payload [groups * G] bytes, FP32 post-scales
 // [groups], FP32 pre-scales [groups] when TACO_DUAL. A work item is 1024 consecutive elements of one
@@ -244,8 +247,195 @@ __device__ __forceinline__ void group_fwht(float (&v)[E], int lane) {
   for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], FWHT_SCALE);
 }
 
+// -- Transposed layout (TACO_TRANSPOSE, G = 128 with the Hadamard transform on) -------------------
+// Layout N (the default): lane j of a group (j = lane % 4) holds elements 32 j + r in register r.
+// Layout T: register 16 h + 4 k + i holds element 32 k + 16 h + 4 j + i (k < 4, h < 2, i < 4), so
+// the butterflies of strides 32 and 64 (k's bits) pair registers of one lane. N -> T and back go
+// through XPOSE_BYTES of the warp's shared memory in two rounds (h), 4 16-byte stores and 4 16-byte
+// loads a round: 16 instructions instead of 2 x 32 shuffles and 2 x 32 FMAs for the two cross-lane
+// stages. A lane's chunks q sit at 16 q in its own 80-byte stretch (64 bytes and 16 of padding: with
+// a 64-byte stretch one of the two phases conflicts two ways in every bank, with 80 neither does).
+// Every value is only moved: the bits are the reference's.
+constexpr int XPOSE_BYTES = 32 * 80;
+#if TACO_TRANSPOSE && G == 128 && TACO_HADAMARD == 1
+constexpr bool CAN_TRANSPOSE = true;
+#else
+constexpr bool CAN_TRANSPOSE = false;
+#endif
+
+__device__ __forceinline__ float* xpose_slot(float* scratch, int owner, int q) { return scratch + 20 * owner + 4 * q; }
+
+// N -> T in place (round h: registers 16 h .. 16 h + 15 out, the same registers back).
+__device__ __forceinline__ void to_transposed(float (&v)[E], float* scratch, int lane) {
+  const int j = lane & 3, base = lane & ~3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      *reinterpret_cast<float4*>(xpose_slot(scratch, lane, q)) =
+          make_float4(v[16 * h + 4 * q], v[16 * h + 4 * q + 1], v[16 * h + 4 * q + 2], v[16 * h + 4 * q + 3]);
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 f = *reinterpret_cast<const float4*>(xpose_slot(scratch, base + k, j));
+      v[16 * h + 4 * k] = f.x;
+      v[16 * h + 4 * k + 1] = f.y;
+      v[16 * h + 4 * k + 2] = f.z;
+      v[16 * h + 4 * k + 3] = f.w;
+    }
+    __syncwarp();
+  }
+}
+
+// T -> N in place.
+__device__ __forceinline__ void from_transposed(float (&v)[E], float* scratch, int lane) {
+  const int j = lane & 3, base = lane & ~3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      *reinterpret_cast<float4*>(xpose_slot(scratch, base + k, j)) =
+          make_float4(v[16 * h + 4 * k], v[16 * h + 4 * k + 1], v[16 * h + 4 * k + 2], v[16 * h + 4 * k + 3]);
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(xpose_slot(scratch, lane, q));
+      v[16 * h + 4 * q] = f.x;
+      v[16 * h + 4 * q + 1] = f.y;
+      v[16 * h + 4 * q + 2] = f.z;
+      v[16 * h + 4 * q + 3] = f.w;
+    }
+    __syncwarp();
+  }
+}
+
+// quant.fwht of a group in layout N, result in layout T: strides 1..16 in registers, the exchange,
+// strides 32 and 64 in registers, the one scaling.
+__device__ __forceinline__ void group_fwht_transposed(float (&v)[E], float* scratch, int lane) {
+#pragma unroll
+  for (int h = 1; h < E; h <<= 1)
+#pragma unroll
+    for (int r = 0; r < E; ++r)
+      if (!(r & h)) {
+        const float a = v[r], b = v[r + h];
+        v[r] = __fadd_rn(a, b);
+        v[r + h] = __fsub_rn(a, b);
+      }
+  to_transposed(v, scratch, lane);
+#pragma unroll
+  for (int kb = 1; kb < 4; kb <<= 1)  // stride 32 (k's bit 0), then 64 (k's bit 1)
+#pragma unroll
+    for (int r = 0; r < E; ++r)
+      if (!((r >> 2) & kb)) {
+        const float a = v[r], b = v[r + 4 * kb];
+        v[r] = __fadd_rn(a, b);
+        v[r + 4 * kb] = __fsub_rn(a, b);
+      }
+#pragma unroll
+  for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], FWHT_SCALE);
+}
+
+// Element offset (from the item's first) of register r of this lane in layout T.
+__device__ __forceinline__ int transposed_offset(int lane, int r) {
+  return 128 * (lane >> 2) + 32 * ((r >> 2) & 3) + 16 * (r >> 4) + 4 * (lane & 3) + (r & 3);
+}
+
+// This lane's E values in layout T (an item's elements item_first ..) into out: a whole item through
+// the warp's stage (runs of 4 values, run 8 k + 4 h + j of group row g at run slot (8 k + 4 h + j) ^
+// 4 g: conflict-free stores; then coalesced 16-byte chunks) when `vec`, else run by run.
+template <int CODE>
+__device__ __forceinline__ void store_item_transposed(typename Storage<CODE>::T* out, const float (&v)[E],
+                                                      uint8_t* stage, long long item_first, long long numel, bool vec,
+                                                      int lane) {
+  using T = typename Storage<CODE>::T;
+  constexpr int RUN = 4 * sizeof(T), ROW = 32 * RUN, CHUNKS = ITEM * sizeof(T) / 16, ROW_CHUNKS = ROW / 16;
+  const int g = lane >> 2;
+  if (vec && item_first + ITEM <= numel) {  // warp-uniform
+#pragma unroll
+    for (int r = 0; r < E; r += 4) {
+      const int u = 8 * ((r >> 2) & 3) + 4 * (r >> 4) + (lane & 3);
+      uint8_t* dst = stage + g * ROW + RUN * (u ^ (g << 2));
+      if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(v[r], v[r + 1], v[r + 2], v[r + 3]);
+      } else {
+        Chunk<T> c;  // 8 of them; the first 4 used
+#pragma unroll
+        for (int t = 0; t < 4; ++t) c.v[t] = from_float<CODE>(v[r + t]);
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(&c);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < CHUNKS / 32; ++k) {
+      const int c = 32 * k + lane, row = c / ROW_CHUNKS, m = c % ROW_CHUNKS;
+      reinterpret_cast<uint4*>(out + item_first)[c] =
+          *reinterpret_cast<const uint4*>(stage + row * ROW + 16 * (m ^ ((row << 2) * (int)sizeof(T) / 4)));
+    }
+    __syncwarp();
+  } else {
+#pragma unroll
+    for (int r = 0; r < E; ++r) {
+      const long long at = item_first + transposed_offset(lane, r);
+      if (at < numel) out[at] = from_float<CODE>(v[r]);
+    }
+  }
+}
+
+// This lane's E values in layout T of an item of raw elements (a reduce-scatter's own chunk): runs of
+// 4 (8- or 16-byte loads where `vec` allows), zero past numel.
+template <typename T>
+__device__ __forceinline__ void load_lane_transposed(const T* base, long long item_first, long long numel, bool vec,
+                                                     float (&v)[E], int lane) {
+#pragma unroll
+  for (int r = 0; r < E; r += 4) {
+    const long long at = item_first + transposed_offset(lane, r);
+    if (vec && at + 4 <= numel) {
+      if constexpr (sizeof(T) == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(base + at);
+        v[r] = f.x;
+        v[r + 1] = f.y;
+        v[r + 2] = f.z;
+        v[r + 3] = f.w;
+      } else {
+        const uint2 raw = *reinterpret_cast<const uint2*>(base + at);
+        const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[r + k] = to_float(t[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[r + k] = at + k < numel ? to_float(base[at + k]) : 0.0f;
+    }
+  }
+}
+
+// quant._pairwise_sum of the group, s in layout N, through layout T (X: CAN_TRANSPOSE): halves 64,
+// 32 and 16 (k's bits, h) in registers, 8 and 4 (j's bits) across lanes on 4 values, 2 and 1 in
+// registers; 8 shuffles instead of 26 and the 48 selects of the split cross-lane halvings.
+__device__ __forceinline__ float group_pairwise_sum_transposed(float (&s)[E], float* scratch, int lane) {
+  to_transposed(s, scratch, lane);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) s[16 * h + r] = __fadd_rn(s[16 * h + r], s[16 * h + r + 8]);  // half 64
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[16 * h + i] = __fadd_rn(s[16 * h + i], s[16 * h + 4 + i]);  // half 32
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[i] = __fadd_rn(s[i], s[16 + i]);  // half 16
+#pragma unroll
+  for (int m = 2; m >= 1; m >>= 1)  // halves 8 and 4: lanes 2, then 1 apart (both get the sum)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = __fadd_rn(s[i], __shfl_xor_sync(FULL, s[i], m));
+  return __fadd_rn(__fadd_rn(s[0], s[2]), __fadd_rn(s[1], s[3]));  // halves 2, 1
+}
+
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
-__device__ __forceinline__ float group_rms(const float (&v)[E], int lane) {
+// Division by G (a power of two) is the exact multiplication by 1/G: the same real quotient,
+// rounded once either way.
+template <bool X = false>
+__device__ __forceinline__ float group_rms(const float (&v)[E], int lane, float* scratch = nullptr) {
   const float absmax = group_absmax(v);
   const float safe = absmax > 0.0f ? fmaxf(absmax, TINY) : 1.0f;
   const float inv = __frcp_rn(safe);
@@ -255,7 +445,10 @@ __device__ __forceinline__ float group_rms(const float (&v)[E], int lane) {
     const float t = __fmul_rn(v[r], inv);
     s[r] = __fmul_rn(t, t);
   }
-  const float rms = __fmul_rn(safe, __fsqrt_rn(__fdiv_rn(group_pairwise_sum(s, lane), (float)G)));
+  float sum;
+  if constexpr (X) sum = group_pairwise_sum_transposed(s, scratch, lane);
+  else sum = group_pairwise_sum(s, lane);
+  const float rms = __fmul_rn(safe, __fsqrt_rn(__fmul_rn(sum, 1.0f / G)));
   return rms > 0.0f ? fmaxf(rms, TINY) : safe;
 }
 
@@ -308,11 +501,16 @@ __device__ __forceinline__ void cast_transform_input(float (&v)[E]) {
 #endif
 }
 
-// One group (this lane's part): v (the input, FP32) -> payload bytes q, post-scale, pre-scale.
-__device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre) {
+// One group (this lane's part): v (the input, FP32, layout N) -> payload bytes q, post-scale,
+// pre-scale. X (CAN_TRANSPOSE only): the transform through `scratch`, q in layout T (word 4 h + k:
+// elements 32 k + 16 h + 4 j ..).
+// XR (with X): the RMS's pairwise sum through layout T too (off where it costs spills: sum-compress).
+template <bool X = false, bool XR = X>
+__device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre,
+                                               float* scratch = nullptr) {
   pre = 1.0f;
 #if TACO_DUAL
-  pre = group_rms(v, lane);
+  pre = group_rms<X && XR>(v, lane, scratch);
   const float inv_pre = __frcp_rn(pre);
 #pragma unroll
   for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], inv_pre);
@@ -321,7 +519,8 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
   scale = group_quantize(v, q);
 #elif TACO_HADAMARD == 1
   cast_transform_input(v);
-  group_fwht(v, lane);  // in place: the untransformed values are not needed again
+  if constexpr (X) group_fwht_transposed(v, scratch, lane);
+  else group_fwht(v, lane);  // in place: the untransformed values are not needed again
   scale = group_quantize(v, q);
 #else
   float y[E];
@@ -349,8 +548,12 @@ __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload&
 #endif
 }
 
-// One group (this lane's part) back to FP32: quant.decompress before its final cast.
-__device__ __forceinline__ void decompress_group(const Payload& p, float scale, float pre, int lane, float (&v)[E]) {
+// One group (this lane's part) back to FP32: quant.decompress before its final cast. X
+// (CAN_TRANSPOSE only): the transform through `scratch`, v in layout T; QT: p is in layout T (what
+// compress_group<true> made), else N.
+template <bool X = false, bool QT = false>
+__device__ __forceinline__ void decompress_group(const Payload& p, float scale, float pre, int lane, float (&v)[E],
+                                                 float* scratch = nullptr) {
   const float s = TACO_HADAMARD == 2 ? fabsf(scale) : scale;
 #pragma unroll
   for (int r = 0; r < E; r += 2) {  // two FP8 values a conversion
@@ -360,7 +563,12 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
     v[r + 1] = __fmul_rn(f.y, s);
   }
 #if TACO_HADAMARD == 1
-  group_fwht(v, lane);
+  if constexpr (X) {
+    if constexpr (QT) from_transposed(v, scratch, lane);
+    group_fwht_transposed(v, scratch, lane);
+  } else {
+    group_fwht(v, lane);
+  }
 #elif TACO_HADAMARD == 2
   if (__any_sync(FULL, scale < 0.0f)) {  // warp-uniform: some group of this warp was transformed
     float t[E];
@@ -381,17 +589,42 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 // packed message at `payload` (groups past the message's end are dropped): a whole item's payload
 // through the warp's stage (coalesced), else lane by lane; the first lane of a group its scales.
 // q, scale, pre: what was stored (for a caller that also decompresses it).
+// X: compress_group<true> (scratch: XPOSE_BYTES of the warp's shared memory), q in layout T, its words
+// staged at word slot (8 k + 4 h + j) ^ 4 g of group row g (conflict-free), read back as 16-byte
+// chunks.
+template <bool X = false, bool XR = X>
 __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t* stage, uint8_t* payload,
                                                long long groups, long long item_first, Payload& q, float& scale,
-                                               float& pre) {
-  compress_group(v, lane, q, scale, pre);
-  const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+                                               float& pre, float* scratch = nullptr) {
+  compress_group<X, XR>(v, lane, q, scale, pre, scratch);
   const long long first = item_first + lane * E, group = first / G;
-  if (item_first + ITEM <= groups * G) {  // warp-uniform
-    store_staged<E>(stage, pieces, payload + item_first, lane);
-  } else if (group < groups) {
-    reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
-    reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+  if constexpr (X) {
+    const int g = lane >> 2, j = lane & 3;
+    if (item_first + ITEM <= groups * G) {  // warp-uniform
+#pragma unroll
+      for (int w = 0; w < E / 4; ++w)  // word w = 4 h + k
+        reinterpret_cast<uint32_t*>(stage + 128 * g)[(8 * (w & 3) + 4 * (w >> 2) + j) ^ (g << 2)] = q.w[w];
+      __syncwarp();
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int c = 32 * k + lane, row = c >> 3;
+        reinterpret_cast<uint4*>(payload + item_first)[c] =
+            *reinterpret_cast<const uint4*>(stage + 128 * row + 16 * ((c & 7) ^ row));
+      }
+      __syncwarp();
+    } else if (group < groups) {
+#pragma unroll
+      for (int w = 0; w < E / 4; ++w)
+        *reinterpret_cast<uint32_t*>(payload + item_first + transposed_offset(lane, 4 * w)) = q.w[w];
+    }
+  } else {
+    const uint4 pieces[2] = {make_uint4(q.w[0], q.w[1], q.w[2], q.w[3]), make_uint4(q.w[4], q.w[5], q.w[6], q.w[7])};
+    if (item_first + ITEM <= groups * G) {  // warp-uniform
+      store_staged<E>(stage, pieces, payload + item_first, lane);
+    } else if (group < groups) {
+      reinterpret_cast<uint4*>(payload + first)[0] = pieces[0];
+      reinterpret_cast<uint4*>(payload + first)[1] = pieces[1];
+    }
   }
   if (group < groups && lane % LANES == 0) {
     float* scales = reinterpret_cast<float*>(payload + groups * G);
@@ -400,6 +633,15 @@ __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t*
     scales[groups + group] = pre;
 #endif
   }
+}
+
+// a / b for the kernels' item arithmetic (a >= 0, b >= 1, warp-uniform): nothing for b = 1, 32-bit
+// unsigned division while both fit (a 64-bit division is a ~60-instruction call, and compress and
+// gather need one to three an item), else 64-bit.
+__device__ __forceinline__ long long item_div(long long a, long long b) {
+  if (b == 1) return a;
+  if (a <= 0xffffffffLL && b <= 0xffffffffLL) return (unsigned)a / (unsigned)b;
+  return a / b;
 }
 
 // -- kernels -------------------------------------------------------------------------------------
@@ -454,25 +696,26 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // own_out (non-null, segments 1): the message also decompressed, from the values just quantized in
 // registers, into own_out (the input's type; own_vec: 16-byte stores allowed): an all-gather's own
 // part, bit for bit what taco_gather would make of the stored bytes, without reading them back.
-// FP32 input: a warp's next whole item is fetched into its shared inbox (cp.async, coalesced,
-// swizzled as the stage) while it compresses the current one, so the loads' latency hides behind
-// the arithmetic without holding registers (the compression takes ~120 of its 128). Same-run A/B on
-// an H200 (128 MiB, TACO defaults; bench/results/ab-taco-kernels-1gpu-20261201T044600Z.json): FP32
-// 154 -> 129 us; for 16-bit input the fetch was 5 % slower in an earlier A/B (126 -> 133 us), so
-// 16-bit input and partial items load straight into registers.
+// FP32 input (and 16-bit input with TACO_FETCH16): a warp's next whole item is fetched into its
+// shared inbox (cp.async, coalesced, swizzled as the stage) while it compresses the current one, so
+// the loads' latency hides behind the arithmetic without holding registers (the compression takes
+// ~120 of its 128); partial items load straight into registers. Measurements: taco/NOTES.md.
 extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
               int vec, int skip, void* own_out_, int own_vec) {
   using T = typename Storage<TACO_IN>::T;
-  constexpr bool FETCH = sizeof(T) == 4;
+  constexpr bool FETCH = sizeof(T) == 4 || TACO_FETCH16;
   constexpr int LANE_BYTES = E * sizeof(T);  // a lane's input bytes
   constexpr int P = LANE_BYTES / 16;
   // 16-bit own_out goes out through a stage (coalesced); FP32's would not fit beside its inbox in
   // 48 KiB of static shared memory, so FP32 stores lane by lane (slower, still exact)
   constexpr bool STAGE_OUT = sizeof(T) == 2;
+  // the transposed layout's exchange uses the own_out stage (16-bit input only: FP32's inbox leaves no room)
+  constexpr bool X = CAN_TRANSPOSE && STAGE_OUT;
   __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
   __shared__ __align__(16) uint8_t inbox[8][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
-  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? 32 * LANE_BYTES : 16];  // a warp's own_out bytes
+  // a warp's own_out bytes, and the transposed layout's exchange
+  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? (X ? XPOSE_BYTES : 32 * LANE_BYTES) : 16];
   T* own_out = static_cast<T*>(own_out_);
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
@@ -481,10 +724,13 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   const long long items = per_segment * segments;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   // items of the skipped segment are never visited (warp-uniform)
-  auto skipped = [&](long long item) { return item < items && item / per_segment == skip; };
-  auto fetched = [&](long long item) { return FETCH && vec && (item % per_segment + 1) * ITEM <= numel; };
+  auto seg_of = [&](long long item) { return segments == 1 ? 0LL : item_div(item, per_segment); };
+  auto skipped = [&](long long item) { return skip >= 0 && item < items && seg_of(item) == skip; };
+  auto fetched = [&](long long item) {
+    return FETCH && vec && (item - seg_of(item) * per_segment + 1) * ITEM <= numel;
+  };
   auto prefetch = [&](long long item) {  // the item's input, chunk c = 32 k + lane to its stage slot
-    const long long seg = item / per_segment;
+    const long long seg = seg_of(item);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(x + seg * x_stride + (item - seg * per_segment) * ITEM);
 #pragma unroll
     for (int k = 0; k < P; ++k) {
@@ -497,7 +743,7 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   while (skipped(item)) item += warps;
   if (item < items && fetched(item)) prefetch(item);
   while (item < items) {
-    const long long seg = item / per_segment;
+    const long long seg = seg_of(item);
     const long long item_first = (item - seg * per_segment) * ITEM, first = item_first + lane * E;
     float v[E];
     if (fetched(item)) {  // warp-uniform
@@ -519,10 +765,12 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
     if (next < items && fetched(next)) prefetch(next);
     Payload q;
     float scale, pre;
-    compress_store(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre);
+    float* scratch = reinterpret_cast<float*>(out_stage[warp]);
+    compress_store<X>(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre, scratch);
     if (own_out != nullptr) {  // grid-uniform
-      decompress_group(q, scale, pre, lane, v);
-      store_item<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, STAGE_OUT, lane);
+      decompress_group<X, X>(q, scale, pre, lane, v, scratch);
+      if constexpr (X) store_item_transposed<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, lane);
+      else store_item<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, STAGE_OUT, lane);
     }
     item = next;
   }
@@ -581,25 +829,29 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
   using T = typename Storage<TACO_OUT>::T;
   constexpr int OUT_BYTES = E * sizeof(T);  // a lane's output bytes
   constexpr int STEPS = SUM ? TACO_NSRC : 1;  // messages per item
-  __shared__ __align__(16) uint8_t stage[8][32 * OUT_BYTES];
+  constexpr int STAGE_BYTES = CAN_TRANSPOSE && XPOSE_BYTES > 32 * OUT_BYTES ? XPOSE_BYTES : 32 * OUT_BYTES;
+  __shared__ __align__(16) uint8_t stage[8][STAGE_BYTES];
   T* out = static_cast<T*>(out_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
   uint8_t* my_stage = stage[warp];
+  // layout T: the stage (>= XPOSE_BYTES a warp) is the exchange's scratch; every value (acc too) in layout T
+  constexpr bool X = CAN_TRANSPOSE;
+  float* scratch = reinterpret_cast<float*>(my_stage);
   const long long groups = (numel + G - 1) / G;
   const long long per_message = (numel + ITEM - 1) / ITEM;
   const int n_read = !SUM && own >= 0 ? n_src - 1 : n_src;  // messages read (gather: all but `own`)
   const long long items = SUM ? per_message : per_message * n_read;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
   // step (item, i): message p = SUM ? i : message(item % n_read), elements from
-  // (SUM ? item : item / n_read) * ITEM
+  // (SUM ? item : item / n_read) * ITEM (item_div: no 64-bit division)
   auto message = [&](long long item) {
-    const int k = (int)(item % n_read);
+    const int k = (int)(item - item_div(item, n_read) * n_read);
     return own >= 0 && k >= own ? k + 1 : k;
   };
   auto fetch = [&](long long item, int i) {
     if (SUM && i == own) return LaneData{};  // raw elements: loaded where they are used
     const int p = SUM ? i : message(item);
-    const long long item_first = (SUM ? item : item / n_read) * ITEM;
+    const long long item_first = (SUM ? item : item_div(item, n_read)) * ITEM;
     return load_message(reinterpret_cast<const uint8_t*>(src.ptr[p]), groups, item_first,
                         item_first + ITEM <= groups * G, lane);
   };
@@ -615,32 +867,46 @@ __device__ __forceinline__ void decompress_items(const Sources& src, int n_src, 
     LaneData next{};
     if (next_item < items) next = fetch(next_item, next_i);
     const int p0 = SUM ? 0 : message(item);
-    const long long item_first = (SUM ? item : item / n_read) * ITEM;
+    const long long item_first = (SUM ? item : item_div(item, n_read)) * ITEM;
     const long long first = item_first + lane * E;
     float v[E];
     if (SUM && i == own) {  // warp-uniform
-      load_lane(reinterpret_cast<const T*>(src.ptr[i]) + first, first, numel, vec, v);
+      if constexpr (X) {
+        load_lane_transposed(reinterpret_cast<const T*>(src.ptr[i]), item_first, numel, vec, v, lane);
+      } else {
+        load_lane(reinterpret_cast<const T*>(src.ptr[i]) + first, first, numel, vec, v);
+      }
     } else {
       uint4 mine[2] = {cur.raw[0], cur.raw[1]};
       if (item_first + ITEM <= groups * G) unstage<E>(my_stage, cur.raw, mine, lane);  // warp-uniform
       const Payload p{{mine[0].x, mine[0].y, mine[0].z, mine[0].w, mine[1].x, mine[1].y, mine[1].z, mine[1].w}};
-      decompress_group(p, cur.scale, cur.pre, lane, v);
+      decompress_group<X>(p, cur.scale, cur.pre, lane, v, scratch);
     }
 #pragma unroll
     for (int r = 0; r < E; ++r) acc[r] = i == 0 ? v[r] : __fadd_rn(acc[r], v[r]);
     if (REQUANTIZE && i == STEPS - 1) {
       // quant: the sum cast to the dtype (padding past numel is zero, as compress pads), compressed
+      if constexpr (X) from_transposed(acc, scratch, lane);  // compression starts from layout N
 #pragma unroll
       for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(from_float<TACO_OUT>(acc[r])) : 0.0f;
       Payload q;
       float scale, pre;
-      compress_store(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre);
+      compress_store<X, false>(v, lane, my_stage, static_cast<uint8_t*>(out_), groups, item_first, q, scale, pre,
+                               scratch);
       if (own_out_ != nullptr) {  // grid-uniform
-        decompress_group(q, scale, pre, lane, acc);
-        store_item<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, true, lane);
+        decompress_group<X, X>(q, scale, pre, lane, acc, scratch);
+        if constexpr (X) {
+          store_item_transposed<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, lane);
+        } else {
+          store_item<TACO_OUT>(static_cast<T*>(own_out_), acc, my_stage, item_first, numel, own_vec, true, lane);
+        }
       }
     } else if (i == STEPS - 1) {
-      store_item<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, true, lane);
+      if constexpr (X) {
+        store_item_transposed<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, lane);
+      } else {
+        store_item<TACO_OUT>(out + (SUM ? 0 : p0 * out_stride), acc, my_stage, item_first, numel, vec, true, lane);
+      }
     }
     item = next_item;
     i = next_i;
