@@ -3,8 +3,8 @@
 Each pool is a Ray actor whose judge takes a known time per evaluation (`--eval-s`, the simulated
 evaluator sleeping as a GPU would be busy), so the figure is the scheduler's: evaluations per
 minute after the seed (from its result to the last: every pool busy) with N pools over the same
-with one, beside the ideal N. `--gloo` also runs the real
-cascade on CPU gloo workers per pool (bounded by this machine's cores, not by the search).
+with one, beside the ideal N. `--gloo` also runs pools of real CPU gloo workers judging the toy
+workload, each evaluation held to `--eval-s`.
 
     python bench/search_throughput.py --pools 1 2 4 --evaluations 17 --eval-s 1.0
 """
@@ -47,7 +47,9 @@ def main() -> None:
     parser.add_argument("--pools", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--evaluations", type=int, default=17)
     parser.add_argument("--eval-s", type=float, default=1.0)
-    parser.add_argument("--gloo", action="store_true", help="also time pools of real CPU gloo workers (toy workload)")
+    parser.add_argument("--gloo", action="store_true", help="also time pools of real CPU gloo workers (toy workload), "
+                        "each evaluation held to --eval-s")
+    parser.add_argument("--gloo-evaluations", type=int, default=17, help="evaluations of a gloo run")
     args = parser.parse_args()
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
@@ -69,15 +71,22 @@ def main() -> None:
         if args.gloo:
             from test_search_cli import ToyTemplate
 
-            toy = ToyTemplate()
-            for n in (1, 3):
-                pools = RayPools("pool_builders:toy_cpu", {"world": 1}, n, cpus_per_pool=0.5)
+            class WideToyTemplate(ToyTemplate):
+                """The toy's space with 12 row-block counts, so a run has candidates for every pool."""
+
+                def supported(self):
+                    return {**super().supported(), "knob:pieces": tuple(range(1, 13))}
+
+            toy = WideToyTemplate()
+            for n in args.pools:
+                pools = RayPools("pool_builders:toy_cpu", {"world": 1, "eval_s": args.eval_s}, n, cpus_per_pool=0.5)
                 try:
-                    seconds, programs = run_search(pools, toy, toy.default_shape(1), 1, 7, max(n, 2))
+                    seconds, programs = run_search(pools, toy, toy.default_shape(1), 1, args.gloo_evaluations, max(n, 2))
                 finally:
                     pools.close()
-                rows.append({"judge": "toy cascade, 1 gloo worker a pool", "pools": n, "evaluations": len(programs),
-                             "seconds": round(seconds, 3), "per_min": round(60 * (len(programs) - 1) / seconds, 2),
+                rows.append({"judge": "toy cascade on gloo, held", "pools": n, "eval_s": args.eval_s,
+                             "evaluations": len(programs), "seconds": round(seconds, 3),
+                             "per_min": round(60 * (len(programs) - 1) / seconds, 2),
                              "nodes": sorted({p.timings["node"] for p in programs})})
     finally:
         ray.shutdown()
