@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import commweave.ops as ops
 from commweave.contracts.poison import poison_
-from commweave.ops import functions, runner
+from commweave.ops import runner
 from commweave.workloads import Shape, Workload, get_workload
 
 
@@ -77,7 +77,7 @@ def op_check(ctx, workload: str, shape_text: str, seed: int, calls: int = 2, pro
 
 def fallback_warns_once(ctx) -> list[str]:
     """Two gemm calls from a fresh start: the seed cannot run on CPU, so one warning, then none."""
-    functions._ops.pop(("gemm-allgather", None), None)
+    runner._ops.pop(("gemm-allgather", None), None)
     runner._warned.discard("gemm-allgather")
     wl = get_workload("gemm-allgather")
     shape = wl.check_shapes(ctx.world_size)[0]
@@ -157,5 +157,5 @@ def gemm_vs_torch(ctx, shape_text: str, seed: int, calls: int = 3) -> dict:
             want = torch.cat(parts).float() @ inputs["b"].float()
             torch.cuda.synchronize()
             worst = max(worst, float((out.float() - want).norm() / want.norm()))
-    return {"error": worst, "program": functions.op("gemm-allgather").program,
+    return {"error": worst, "program": runner.op("gemm-allgather").program,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}

@@ -86,6 +86,10 @@ class Workload(ABC):
     #: yardsticks that only move the call's data: `bench` reports their bandwidth (`cost()`'s
     #: comm_bytes over their time) beside the measured peer-copy rate
     comm_yardsticks: tuple[str, ...] = ()
+    #: the tensors of one call in order, named as in `make_inputs` (those a user passes: no stand-in
+    #: extras), e.g. ("a", "b"): `commweave.ops` hands them to its generic custom op in this order,
+    #: so no op code names a workload's inputs; empty: the caller's names, sorted
+    input_names: tuple[str, ...] = ()
 
     @property
     def programs_dir(self) -> Path:

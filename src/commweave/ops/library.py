@@ -1,0 +1,373 @@
+"""The ops as `torch.library` custom ops in the `commweave` namespace: torch.compile sees each call
+as one opaque op with a fake (meta) implementation, so `fullgraph=True` compiles without graph
+breaks; autograd where a backward exists (the tensor-parallel pair); the group travels by name.
+
+    torch.ops.commweave.gemm_allgather(a, b, group, program)           -> [M, N/W]
+    torch.ops.commweave.gemm_reducescatter(a, b, group, program)       -> [M/W, N]
+    torch.ops.commweave.context_parallel_attention(q, k, v, causal, group, program)
+    torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group, program)
+    torch.ops.commweave.transfer_kv(kv, src_blocks, dst_blocks, cache!, group, program) (cache written)
+    torch.ops.commweave.call(workload, program, group, names, inputs, options) / call_out(..., out!)
+
+`group` is a process group's name ("" for a single process); `program` None for the workload's
+seed. With W = 1 every op computes locally with no communication (the single-rank functions
+below); with W >= 2 the real implementation runs the workload's program through `runner.Op`
+(setup per shape, collectives), opaque to dynamo.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from commweave.ops import runner
+from commweave.ops.groups import SINGLE, group_rank, group_size, process_group
+
+GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it is registered
+
+
+# -- collectives of the torch paths (functional: traceable inside compiled backward graphs) --------
+def all_gather_rows(t: Tensor, group: str) -> Tensor:
+    """Every rank's `t` stacked along dim 0, in rank order (itself on one rank)."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(t.contiguous(), world, group))
+
+
+def _reduce_scatter_rows(t: Tensor, group: str) -> Tensor:
+    """The sum of every rank's `t`, this rank's block of rows of it (`t` itself on one rank)."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(t.contiguous(), "sum", world, group))
+
+
+# -- single-rank computations (W = 1): the op's result with nothing to talk to ----------------------
+def _check_gemm(a: Tensor, b: Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")
+
+
+def _gemm_local(inputs: dict[str, Tensor | None], out: Tensor | None, options: dict[str, Any]) -> Tensor:
+    a, b = inputs["a"], inputs["b"]
+    _check_gemm(a, b)
+    return a @ b
+
+
+def _attention_local(inputs: dict[str, Tensor | None], out: Tensor | None, options: dict[str, Any]) -> Tensor:
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q [S, Hq, D], k and v [S, Hkv, D] expected, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # [H, S, D]
+    res = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(options.get("causal", False)),
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return res.transpose(0, 1).contiguous()
+
+
+def _moe_local(inputs: dict[str, Tensor | None], out: Tensor | None, options: dict[str, Any]) -> Tensor:
+    """Every expert is local: rows sorted by expert, two grouped GEMMs (no host synchronization,
+    so a caller's CUDA graph can hold it), the weighted sum back per token."""
+    x, idx, weights, w13, w2 = (inputs[n] for n in ("x", "topk_idx", "topk_weights", "w13", "w2"))
+    tokens, top_k = idx.shape
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    if x.dim() != 2 or w13.shape[2] != x.shape[1] or tuple(w2.shape) != (experts, x.shape[1], inter):
+        raise ValueError(f"x [T, H], w13 [E, 2I, H] and w2 [E, H, I] expected, got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    if tuple(weights.shape) != (tokens, top_k) or x.shape[0] != tokens:
+        raise ValueError(f"topk_idx {tuple(idx.shape)} and topk_weights {tuple(weights.shape)} must both be [T, k] "
+                         f"with T = {x.shape[0]}")
+    flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0).to(torch.int32)
+    rows = x.index_select(0, order // top_k)
+    gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=ends)
+    h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    results = torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
+    per_pair = torch.empty_like(results).index_copy_(0, order, results)
+    summed = (per_pair.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(1)
+    return summed.to(x.dtype)
+
+
+def _kv_local(inputs: dict[str, Tensor | None], out: Tensor | None, options: dict[str, Any]) -> Tensor:
+    """One rank is both ends: kv goes into its pages src_blocks, and the same pages into dst_blocks."""
+    kv, src, dst = inputs.get("kv"), inputs["src_blocks"], inputs["dst_blocks"]
+    if out is None or kv is None:
+        raise ValueError("on one rank transfer_kv is both source and destination: pass kv and the cache")
+    layers, two, tokens, heads, dim = kv.shape
+    block = out.shape[3]
+    if src.numel() != dst.numel() or -(-tokens // block) != src.numel():
+        raise ValueError(f"kv holds {tokens} tokens ({-(-tokens // block)} pages of {block}), the block tables name "
+                         f"{src.numel()} and {dst.numel()} pages")
+    pages = kv.new_zeros(layers, two, src.numel() * block, heads, dim)
+    pages[:, :, :tokens] = kv
+    pages = pages.view(layers, two, src.numel(), block, heads, dim)
+    out[:, :, src] = pages
+    out[:, :, dst] = pages
+    return out
+
+
+#: (workload, single-rank function) of every named op; the generic op finds a workload's by class
+_SINGLE_RANK: list[tuple[str, Callable[..., Tensor]]] = [
+    ("gemm-allgather", _gemm_local), (GEMM_RS, _gemm_local), ("attention-cp", _attention_local),
+    ("moe", _moe_local), ("kv-transfer", _kv_local),
+]
+
+
+def _single_rank(op: runner.Op) -> Callable[..., Tensor]:
+    from commweave.workloads import get_workload
+
+    for name, fn in _SINGLE_RANK:
+        if name == op.workload.name or (_registered(name) and isinstance(op.workload, type(get_workload(name)))):
+            return fn
+    raise NotImplementedError(f"workload {op.workload.name!r} has no single-rank computation in commweave.ops, so "
+                              "its op needs a process group of 2 or more ranks")
+
+
+@functools.cache
+def _registered(workload: str) -> bool:
+    from commweave.workloads import registry
+
+    return workload in registry()
+
+
+def _workload_op(workload: str, program: str | None) -> runner.Op:
+    """The Op of (workload, program): a named program is validated even where W = 1 runs none."""
+    return runner.op(workload, program)
+
+
+# -- gemm_allgather: out [M, N/W] = all_gather(a) @ b ---------------------------------------------
+@torch.library.custom_op("commweave::gemm_allgather", mutates_args=())
+def gemm_allgather(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    op = _workload_op("gemm-allgather", program)
+    if group_size(group) == 1:
+        return _gemm_local({"a": a, "b": b}, None, {})
+    return op.run(group, {"a": a, "b": b})
+
+
+@gemm_allgather.register_fake
+def _(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    _check_gemm(a, b)
+    return a.new_empty(a.shape[0] * group_size(group), b.shape[1])
+
+
+def _save_ab(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    a, b, group, _ = inputs
+    ctx.group = group
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_allgather_backward(ctx: Any, grad: Tensor) -> tuple:
+    """grad_a = reduce_scatter(grad @ b^T) (the GEMM+RS op); grad_b = all_gather(a)^T @ grad, A
+    gathered again here (as Megatron's sequence parallelism does: no [M, K] kept from forward)."""
+    a, b = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t().contiguous(), ctx.group, None)
+    if ctx.needs_input_grad[1]:
+        grad_b = all_gather_rows(a, ctx.group).t() @ grad
+    return grad_a, grad_b, None, None
+
+
+gemm_allgather.register_autograd(_gemm_allgather_backward, setup_context=_save_ab)
+
+
+# -- gemm_reducescatter: out [M/W, N] = reduce_scatter(a @ b) over rows ---------------------------
+_rs_warned: list[bool] = []
+
+
+@torch.library.custom_op("commweave::gemm_reducescatter", mutates_args=())
+def gemm_reducescatter(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    world = group_size(group)
+    if _registered(GEMM_RS):
+        op = _workload_op(GEMM_RS, program)
+        return _gemm_local({"a": a, "b": b}, None, {}) if world == 1 else op.run(group, {"a": a, "b": b})
+    if program is not None:
+        raise ValueError(f"program {program!r} is for workload {GEMM_RS!r}, which is not registered in this install")
+    _check_gemm(a, b)
+    if world == 1:
+        return a @ b
+    if a.shape[0] % world:
+        raise ValueError(f"a has {a.shape[0]} rows, not divisible by the group's {world} ranks (each gets M/W rows)")
+    if not _rs_warned:
+        _rs_warned.append(True)
+        warnings.warn(f"commweave.ops: no workload {GEMM_RS!r} is registered; gemm_reducescatter runs torch.matmul "
+                      "and NCCL's reduce-scatter (no overlap)", RuntimeWarning, stacklevel=2)
+    out = a.new_empty(a.shape[0] // world, b.shape[1])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (torch 2.11: old name)
+    scatter(out, a @ b, group=process_group(group))
+    return out
+
+
+@gemm_reducescatter.register_fake
+def _(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    _check_gemm(a, b)
+    world = group_size(group)
+    torch._check(a.shape[0] % world == 0, lambda: f"a's rows are not divisible by the group's {world} ranks")
+    return a.new_empty(a.shape[0] // world, b.shape[1])
+
+
+def _gemm_reducescatter_backward(ctx: Any, grad: Tensor) -> tuple:
+    """grad_a = all_gather(grad) @ b^T (the GEMM+AG op when b needs no gradient); grad_b =
+    a^T @ all_gather(grad), the gathered gradient shared by both."""
+    a, b = ctx.saved_tensors
+    grad = grad.contiguous()
+    if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
+        return torch.ops.commweave.gemm_allgather(grad, b.t().contiguous(), ctx.group, None), None, None, None
+    gathered = all_gather_rows(grad, ctx.group)
+    grad_a = gathered @ b.t() if ctx.needs_input_grad[0] else None
+    return grad_a, a.t() @ gathered, None, None
+
+
+gemm_reducescatter.register_autograd(_gemm_reducescatter_backward, setup_context=_save_ab)
+
+
+# -- the ops without a backward -------------------------------------------------------------------
+def no_backward(name: str, tensors: dict[str, Any]) -> None:
+    """A RuntimeError naming what is missing when a call would need a gradient this op lacks."""
+    needing = [n for n, t in tensors.items() if isinstance(t, Tensor) and t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        raise RuntimeError(f"commweave.ops.{name} has no backward yet, and {', '.join(needing)} require grad: call it "
+                           "under torch.no_grad() or with detached tensors (gemm_allgather and gemm_reducescatter "
+                           "have backward)")
+
+
+def _raise_no_backward(name: str) -> Callable[..., tuple]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple:
+        raise RuntimeError(f"commweave.ops.{name} has no backward yet (gemm_allgather and gemm_reducescatter have one)")
+    return backward
+
+
+@torch.library.custom_op("commweave::context_parallel_attention", mutates_args=())
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str,
+                               program: Optional[str]) -> Tensor:
+    op = _workload_op("attention-cp", program)
+    if group_size(group) == 1:
+        return _attention_local({"q": q, "k": k, "v": v}, None, {"causal": causal})
+    return op.run(group, {"q": q, "k": k, "v": v}, causal=causal)
+
+
+@context_parallel_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str, program: Optional[str]) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("commweave::moe_layer", mutates_args=())
+def moe_layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, group: str,
+              program: Optional[str]) -> Tensor:
+    op = _workload_op("moe", program)
+    inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
+    return _moe_local(inputs, None, {}) if group_size(group) == 1 else op.run(group, inputs)
+
+
+@moe_layer.register_fake
+def _(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, group: str,
+      program: Optional[str]) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("commweave::transfer_kv", mutates_args=("cache",))
+def transfer_kv(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tensor, group: str,
+                program: Optional[str]) -> None:
+    op = _workload_op("kv-transfer", program)
+    inputs = {"kv": kv, "src_blocks": src_blocks, "dst_blocks": dst_blocks}
+    if group_size(group) == 1:
+        _kv_local(inputs, cache, {})
+    else:
+        op.run(group, inputs, out=cache)
+
+
+@transfer_kv.register_fake
+def _(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tensor, group: str,
+      program: Optional[str]) -> None:
+    return None
+
+
+for _op, _name in ((context_parallel_attention, "context_parallel_attention"), (moe_layer, "moe_layer")):
+    _op.register_autograd(_raise_no_backward(_name))
+
+
+# -- any workload's program: Op objects (`commweave.ops.op(name)`, `load(path)`) ----------------
+def _named(names: str, inputs: list[Optional[Tensor]]) -> dict[str, Tensor | None]:
+    return dict(zip(names.split(","), inputs))
+
+
+@torch.library.custom_op("commweave::call", mutates_args=())
+def call(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+         options: str) -> Tensor:
+    op = runner.op(workload, program)
+    if group_size(group) == 1:
+        return _single_rank(op)(_named(names, inputs), None, json.loads(options))
+    return op.run(group, _named(names, inputs), None, **json.loads(options))
+
+
+@call.register_fake
+def _(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+      options: str) -> Tensor:
+    op, named, opts = runner.op(workload, program), _named(names, inputs), json.loads(options)
+    world = group_size(group)
+    if world == 1:
+        return _single_rank(op)(named, None, opts)
+    rank = group_rank(group)
+    shape = op.shape(named, world, rank, None, opts)
+    like = op.workload.make_output(shape, world, rank, torch.device("meta"))
+    first = next(t for t in named.values() if t is not None)
+    return first.new_empty(like.shape, dtype=like.dtype)
+
+
+@torch.library.custom_op("commweave::call_out", mutates_args=("out",))
+def call_out(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+             options: str, out: Tensor) -> None:
+    op = runner.op(workload, program)
+    if group_size(group) == 1:
+        _single_rank(op)(_named(names, inputs), out, json.loads(options))
+    else:
+        op.run(group, _named(names, inputs), out, **json.loads(options))
+
+
+@call_out.register_fake
+def _(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+      options: str, out: Tensor) -> None:
+    return None
+
+
+def call_workload(op: runner.Op, inputs: dict[str, Any], out: Tensor | None, group: str,
+                  options: dict[str, Any]) -> Tensor:
+    """`op(**inputs)` through the generic custom op: tensors in the workload's order, options as
+    JSON (what a custom op's schema can carry)."""
+    order = op.input_order(inputs)
+    unknown = sorted(set(inputs) - set(order))
+    if unknown:
+        raise ValueError(f"unexpected input {', '.join(unknown)} for {op.workload.name} (expects {', '.join(order)})")
+    for name, value in inputs.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
+    if out is not None and not isinstance(out, Tensor):
+        raise ValueError(f"the output must be a torch.Tensor, not {type(out).__name__}")
+    no_backward(f"op({op.workload.name!r})", {**inputs, "out": out})
+    tensors = [inputs.get(n) for n in order]
+    encoded = json.dumps(options, sort_keys=True)
+    if out is None:
+        return torch.ops.commweave.call(op.workload.name, op.spec, group, ",".join(order), tensors, encoded)
+    torch.ops.commweave.call_out(op.workload.name, op.spec, group, ",".join(order), tensors, encoded, out)
+    return out
+
+
+__all__ = ["SINGLE", "all_gather_rows", "call_workload", "no_backward"]
