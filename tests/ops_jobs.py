@@ -159,3 +159,93 @@ def gemm_vs_torch(ctx, shape_text: str, seed: int, calls: int = 3) -> dict:
             worst = max(worst, float((out.float() - want).norm() / want.norm()))
     return {"error": worst, "program": runner.op("gemm-allgather").program,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+
+
+# -- tensor-parallel MLP from commweave.nn (tests/test_nn.py) ----------------------------------
+HIDDEN, FFN, TOKENS = 16, 32, 8  # TOKENS per data-parallel replica
+
+
+class TPMLP(torch.nn.Module):
+    """A Megatron-style MLP block: column-parallel up projection, GELU, row-parallel down."""
+
+    def __init__(self, group):
+        super().__init__()
+        from commweave.nn import ColumnParallelLinear, RowParallelLinear
+
+        self.up = ColumnParallelLinear(HIDDEN, FFN, group=group)
+        self.down = RowParallelLinear(FFN, HIDDEN, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _mlp_data(replicas: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full weights w1 [FFN, HIDDEN], w2 [HIDDEN, FFN], inputs x and upstream gradients g
+    [replicas, TOKENS, HIDDEN], all bf16 values (the same on every rank)."""
+    gen = torch.Generator().manual_seed(1234)
+    w1 = (torch.randn(FFN, HIDDEN, generator=gen) / HIDDEN**0.5).bfloat16()
+    w2 = (torch.randn(HIDDEN, FFN, generator=gen) / FFN**0.5).bfloat16()
+    x = torch.randn(replicas, TOKENS, HIDDEN, generator=gen).bfloat16()
+    g = torch.randn(replicas, TOKENS, HIDDEN, generator=gen).bfloat16()
+    return w1, w2, x, g
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def tp_mlp(ctx, tp: int, compiled: bool = False) -> dict:
+    """The TP MLP over tensor-parallel groups of `tp` consecutive ranks, data-parallel across them
+    (a gradient all-reduce over each DP group, ranks with the same TP rank), against one plain
+    float32 MLP over every replica's batch: errors of the output, the input gradient and both
+    weight gradients (relative Frobenius), and the warnings raised. `compiled`: the block under
+    torch.compile(fullgraph=True), its output and gradients also compared with eager's."""
+    world, rank = ctx.world_size, ctx.rank
+    replicas = world // tp
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(replicas)]
+    dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    tp_group, dp_group, replica, tp_rank = tp_groups[rank // tp], dp_groups[rank % tp], rank // tp, rank % tp
+    w1, w2, x, g = _mlp_data(replicas)
+
+    # the reference: one float32 MLP, every replica's batch, loss = sum of <y, g>
+    rw1, rw2, rx = (t.float().requires_grad_() for t in (w1, w2, x))
+    ry = torch.nn.functional.gelu(rx @ rw1.t()) @ rw2.t()
+    (ry * g.float()).sum().backward()
+
+    rows = slice(tp_rank * TOKENS // tp, (tp_rank + 1) * TOKENS // tp)
+    want = {"y": ry[replica, rows], "x_grad": rx.grad[replica, rows],
+            "up_grad": rw1.grad.chunk(tp, 0)[tp_rank], "down_grad": rw2.grad.chunk(tp, 1)[tp_rank]}
+
+    def step(model) -> dict[str, torch.Tensor]:
+        for p in model.parameters():
+            p.grad = None
+        xs = x[replica, rows].clone().requires_grad_()
+        y = model(xs)
+        (y.float() * g[replica, rows].float()).sum().backward()
+        for p in model.parameters():  # data parallelism: sum the replicas' gradients
+            dist.all_reduce(p.grad, group=dp_group)
+        return {"y": y.detach(), "x_grad": xs.grad, "up_grad": model.up.weight.grad.clone(),
+                "down_grad": model.down.weight.grad.clone()}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = TPMLP(tp_group)
+        model.up.load_full(w1)
+        model.down.load_full(w2)
+        eager = step(model)
+        result = {"errors": {k: _rel(eager[k], want[k]) for k in want},
+                  "shapes": {k: tuple(v.shape) for k, v in eager.items()}}
+        if compiled:
+            torch._dynamo.reset()
+            graphs: list[list[str]] = []
+
+            def backend(gm, example_inputs):  # records the commweave ops dynamo put in each graph
+                graphs.append(sorted(str(n.target) for n in gm.graph.nodes if "commweave" in str(n.target)))
+                return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+            fast = step(torch.compile(model, fullgraph=True, backend=backend))
+            result["graphs"] = graphs
+            result["compiled_errors"] = {k: _rel(fast[k], want[k]) for k in want}
+            result["compiled_vs_eager"] = {k: _rel(fast[k], eager[k]) for k in want}
+    result["warnings"] = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
+    return result
