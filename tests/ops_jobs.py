@@ -249,3 +249,24 @@ def tp_mlp(ctx, tp: int, compiled: bool = False) -> dict:
             result["compiled_vs_eager"] = {k: _rel(fast[k], eager[k]) for k in want}
     result["warnings"] = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
     return result
+
+
+def fake_shapes(ctx) -> dict:
+    """Each op's output shape under FakeTensorMode over the default group (W = 2), nothing run;
+    'mesh': gemm_allgather over a 1-D DeviceMesh of the same ranks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    with FakeTensorMode():
+        a, b = torch.empty(6, 8, dtype=torch.bfloat16), torch.empty(8, 4, dtype=torch.bfloat16)
+        q, k = torch.empty(8, 4, 16, dtype=torch.bfloat16), torch.empty(8, 2, 16, dtype=torch.bfloat16)
+        moe = {"x": torch.empty(6, 16, dtype=torch.bfloat16), "topk_idx": torch.empty(6, 2, dtype=torch.int64),
+               "topk_weights": torch.empty(6, 2), "w13": torch.empty(2, 16, 16, dtype=torch.bfloat16),
+               "w2": torch.empty(2, 16, 8, dtype=torch.bfloat16)}
+        shapes = {
+            "gemm_allgather": ops.gemm_allgather(a, b), "gemm_reducescatter": ops.gemm_reducescatter(a, b),
+            "context_parallel_attention": ops.context_parallel_attention(q, k, k), "moe_layer": ops.moe_layer(**moe),
+            "call": ops.op("gemm-allgather")(a=a, b=b), "mesh": ops.gemm_allgather(a, b, group=mesh),
+        }
+    return {k: tuple(v.shape) for k, v in shapes.items()}

@@ -18,7 +18,7 @@ below); with W >= 2 the real implementation runs the workload's program through 
 from __future__ import annotations
 
 import functools
-import json
+import ast
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -309,19 +309,26 @@ def _named(names: str, inputs: list[Optional[Tensor]]) -> dict[str, Tensor | Non
     return dict(zip(names.split(","), inputs))
 
 
+def _options(encoded: str) -> dict[str, Any]:
+    """The options `call_workload` encoded as "name=repr,..." (Python literals: bools, numbers,
+    strings; a format dynamo traces, which JSON is not)."""
+    pairs = (item.split("=", 1) for item in encoded.split(",") if item)
+    return {name: ast.literal_eval(value) for name, value in pairs}
+
+
 @torch.library.custom_op("commweave::call", mutates_args=())
 def call(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
          options: str) -> Tensor:
     op = runner.op(workload, program)
     if group_size(group) == 1:
-        return _single_rank(op)(_named(names, inputs), None, json.loads(options))
-    return op.run(group, _named(names, inputs), None, **json.loads(options))
+        return _single_rank(op)(_named(names, inputs), None, _options(options))
+    return op.run(group, _named(names, inputs), None, **_options(options))
 
 
 @call.register_fake
 def _(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
       options: str) -> Tensor:
-    op, named, opts = runner.op(workload, program), _named(names, inputs), json.loads(options)
+    op, named, opts = runner.op(workload, program), _named(names, inputs), _options(options)
     world = group_size(group)
     if world == 1:
         return _single_rank(op)(named, None, opts)
@@ -337,9 +344,9 @@ def call_out(workload: str, program: Optional[str], group: str, names: str, inpu
              options: str, out: Tensor) -> None:
     op = runner.op(workload, program)
     if group_size(group) == 1:
-        _single_rank(op)(_named(names, inputs), out, json.loads(options))
+        _single_rank(op)(_named(names, inputs), out, _options(options))
     else:
-        op.run(group, _named(names, inputs), out, **json.loads(options))
+        op.run(group, _named(names, inputs), out, **_options(options))
 
 
 @call_out.register_fake
@@ -351,7 +358,7 @@ def _(workload: str, program: Optional[str], group: str, names: str, inputs: lis
 def call_workload(op: runner.Op, inputs: dict[str, Any], out: Tensor | None, group: str,
                   options: dict[str, Any]) -> Tensor:
     """`op(**inputs)` through the generic custom op: tensors in the workload's order, options as
-    JSON (what a custom op's schema can carry)."""
+    one string (what a custom op's schema can carry)."""
     order = op.input_order(inputs)
     unknown = sorted(set(inputs) - set(order))
     if unknown:
@@ -363,7 +370,7 @@ def call_workload(op: runner.Op, inputs: dict[str, Any], out: Tensor | None, gro
         raise ValueError(f"the output must be a torch.Tensor, not {type(out).__name__}")
     no_backward(f"op({op.workload.name!r})", {**inputs, "out": out})
     tensors = [inputs.get(n) for n in order]
-    encoded = json.dumps(options, sort_keys=True)
+    encoded = ",".join(f"{k}={options[k]!r}" for k in sorted(options))
     if out is None:
         return torch.ops.commweave.call(op.workload.name, op.spec, group, ",".join(order), tensors, encoded)
     torch.ops.commweave.call_out(op.workload.name, op.spec, group, ",".join(order), tensors, encoded, out)
