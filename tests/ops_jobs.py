@@ -168,12 +168,12 @@ HIDDEN, FFN, TOKENS = 16, 32, 8  # TOKENS per data-parallel replica
 class TPMLP(torch.nn.Module):
     """A Megatron-style MLP block: column-parallel up projection, GELU, row-parallel down."""
 
-    def __init__(self, group):
+    def __init__(self, group, device: torch.device):
         super().__init__()
         from commweave.nn import ColumnParallelLinear, RowParallelLinear
 
-        self.up = ColumnParallelLinear(HIDDEN, FFN, group=group)
-        self.down = RowParallelLinear(FFN, HIDDEN, group=group)
+        self.up = ColumnParallelLinear(HIDDEN, FFN, group=group, device=device)
+        self.down = RowParallelLinear(FFN, HIDDEN, group=group, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.nn.functional.gelu(self.up(x)))
@@ -199,7 +199,8 @@ def tp_mlp(ctx, tp: int, compiled: bool = False) -> dict:
     (a gradient all-reduce over each DP group, ranks with the same TP rank), against one plain
     float32 MLP over every replica's batch: errors of the output, the input gradient and both
     weight gradients (relative Frobenius), and the warnings raised. `compiled`: the block under
-    torch.compile(fullgraph=True), its output and gradients also compared with eager's."""
+    torch.compile(fullgraph=True), its output and gradients also compared with eager's. On the
+    worker's device (the reference on the CPU)."""
     world, rank = ctx.world_size, ctx.rank
     replicas = world // tp
     tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(replicas)]
@@ -219,17 +220,17 @@ def tp_mlp(ctx, tp: int, compiled: bool = False) -> dict:
     def step(model) -> dict[str, torch.Tensor]:
         for p in model.parameters():
             p.grad = None
-        xs = x[replica, rows].clone().requires_grad_()
+        xs = x[replica, rows].to(ctx.device).requires_grad_()
         y = model(xs)
-        (y.float() * g[replica, rows].float()).sum().backward()
+        (y.float() * g[replica, rows].to(ctx.device).float()).sum().backward()
         for p in model.parameters():  # data parallelism: sum the replicas' gradients
             dist.all_reduce(p.grad, group=dp_group)
-        return {"y": y.detach(), "x_grad": xs.grad, "up_grad": model.up.weight.grad.clone(),
-                "down_grad": model.down.weight.grad.clone()}
+        got = {"y": y.detach(), "x_grad": xs.grad, "up_grad": model.up.weight.grad, "down_grad": model.down.weight.grad}
+        return {k: v.cpu() for k, v in got.items()}
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = TPMLP(tp_group)
+        model = TPMLP(tp_group, ctx.device)
         model.up.load_full(w1)
         model.down.load_full(w2)
         eager = step(model)
@@ -270,3 +271,38 @@ def fake_shapes(ctx) -> dict:
             "call": ops.op("gemm-allgather")(a=a, b=b), "mesh": ops.gemm_allgather(a, b, group=mesh),
         }
     return {k: tuple(v.shape) for k, v in shapes.items()}
+
+
+def gemm_in_captured_graph(ctx, shape_text: str, seed: int, replays: int = 3, subgroup: bool = False) -> dict:
+    """GPU: gemm_allgather inside the caller's own CUDA graph. A capture of the shape's first call
+    raises (its setup cannot be captured); after one eager call the capture records the program's
+    call into the caller's graph, and `replays` replays on new values in the same buffers are
+    compared with the reference. `subgroup`: over a group from new_group, not the default one."""
+    wl = get_workload("gemm-allgather")
+    world, rank, device = ctx.world_size, ctx.rank, ctx.device
+    shape = wl.parse_shape(shape_text, world)
+    group = dist.new_group(list(range(world))) if subgroup else None
+    inputs = wl.make_inputs(shape, world, rank, seed, device)
+    a, b = inputs["a"].clone(), inputs["b"].clone()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ops.gemm_allgather(a, b, group=group)
+        first = "no error"
+    except RuntimeError as exc:
+        first = str(exc)
+    ops.gemm_allgather(a, b, group=group)  # eager: setup and the program's first run
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.gemm_allgather(a, b, group=group)
+    worst = 0.0
+    for r in range(replays):
+        fresh = wl.make_inputs(shape, world, rank, seed + 1 + r, device)
+        a.copy_(fresh["a"])
+        b.copy_(fresh["b"])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = wl.reference(shape, world, rank, seed + 1 + r, device)
+        worst = max(worst, float((out.float() - want).norm() / want.norm()))
+    return {"first_under_capture": first, "error": worst, "replays": replays,
+            "program": runner.op("gemm-allgather").program}

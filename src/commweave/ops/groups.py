@@ -41,7 +41,8 @@ def group_name(group: GroupLike = None) -> str:
 def process_group(name: str) -> dist.ProcessGroup:
     """The ProcessGroup named `name` (the empty name has none)."""
     if name == SINGLE:
-        raise ValueError("a single process has no process group")
+        raise RuntimeError("torch.distributed is not initialized, so there is no process group (one process: the "
+                           "ops compute locally and need none)")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"group {name!r} was named, but torch.distributed is not initialized")
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from commweave.ops import runner
-from commweave.ops.groups import SINGLE, group_rank, group_size, process_group
+from commweave.ops.groups import group_rank, group_size, process_group
 
 GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it is registered
 
 
 # -- collectives of the torch paths (functional: traceable inside compiled backward graphs) --------
-def all_gather_rows(t: Tensor, group: str) -> Tensor:
+def _all_gather_rows(t: Tensor, group: str) -> Tensor:
     """Every rank's `t` stacked along dim 0, in rank order (itself on one rank)."""
     world = group_size(group)
     if world == 1:
@@ -182,7 +182,7 @@ def _gemm_allgather_backward(ctx: Any, grad: Tensor) -> tuple:
     if ctx.needs_input_grad[0]:
         grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t().contiguous(), ctx.group, None)
     if ctx.needs_input_grad[1]:
-        grad_b = all_gather_rows(a, ctx.group).t() @ grad
+        grad_b = _all_gather_rows(a, ctx.group).t() @ grad
     return grad_a, grad_b, None, None
 
 
@@ -231,7 +231,7 @@ def _gemm_reducescatter_backward(ctx: Any, grad: Tensor) -> tuple:
     grad = grad.contiguous()
     if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
         return torch.ops.commweave.gemm_allgather(grad, b.t().contiguous(), ctx.group, None), None, None, None
-    gathered = all_gather_rows(grad, ctx.group)
+    gathered = _all_gather_rows(grad, ctx.group)
     grad_a = gathered @ b.t() if ctx.needs_input_grad[0] else None
     return grad_a, a.t() @ gathered, None, None
 
@@ -377,4 +377,4 @@ def call_workload(op: runner.Op, inputs: dict[str, Any], out: Tensor | None, gro
     return out
 
 
-__all__ = ["SINGLE", "all_gather_rows", "call_workload", "no_backward"]
+__all__ = ["call_workload", "no_backward"]
