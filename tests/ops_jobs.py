@@ -306,3 +306,24 @@ def gemm_in_captured_graph(ctx, shape_text: str, seed: int, replays: int = 3, su
         worst = max(worst, float((out.float() - want).norm() / want.norm()))
     return {"first_under_capture": first, "error": worst, "replays": replays,
             "program": runner.op("gemm-allgather").program}
+
+
+def compiled_with_group_objects(ctx) -> dict:
+    """torch.compile(fullgraph=True) of calls that pass the group as a ProcessGroup, a DeviceMesh
+    and (mesh, dim name): the same results as eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tp",))
+    group = dist.new_group(list(range(ctx.world_size)))
+
+    def f(a, b):
+        return (ops.gemm_allgather(a, b, group=group), ops.gemm_allgather(a, b, group=mesh),
+                ops.gemm_reducescatter(a.t().contiguous() @ a, b, group=(mesh, "tp")))
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(ctx.rank)
+    a, b = torch.randn(4, 8, generator=gen).bfloat16(), torch.randn(8, 6, generator=gen).bfloat16()
+    eager = f(a, b)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(a, b)
+    return {"equal": [bool(torch.equal(x, y)) for x, y in zip(eager, compiled)],
+            "shapes": [tuple(x.shape) for x in compiled]}

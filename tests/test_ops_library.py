@@ -191,11 +191,23 @@ def test_group_argument() -> None:
         ops.gemm_allgather(_bf16(2, 2), _bf16(2, 2), program="no_such_program")
 
 
-# -- W >= 2: fakes over a real group (gloo workers) --------------------------------------------------
-def test_fakes_over_a_group_of_two() -> None:
+# -- W >= 2: fakes and compiled calls over real groups (gloo workers) --------------------------------
+@pytest.fixture(scope="module")
+def pool2():
     with WorkerPool(2, device="cpu", job_timeout_s=120) as pool:
-        result = pool.run("ops_jobs:fake_shapes")
+        yield pool
+
+
+def test_fakes_over_a_group_of_two(pool2: WorkerPool) -> None:
+    result = pool2.run("ops_jobs:fake_shapes")
     assert result.ok, result.first_failure()
     for value in result.values:
         assert value == {"gemm_allgather": (12, 4), "gemm_reducescatter": (3, 4), "context_parallel_attention": (8, 4, 16),
                          "moe_layer": (6, 16), "call": (12, 4), "mesh": (12, 4)}, value
+
+
+def test_compiled_calls_take_group_objects(pool2: WorkerPool) -> None:
+    result = pool2.run("ops_jobs:compiled_with_group_objects")
+    assert result.ok, result.first_failure()
+    for value in result.values:
+        assert value == {"equal": [True, True, True], "shapes": [(8, 6), (8, 6), (4, 6)]}, value
