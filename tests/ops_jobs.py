@@ -17,20 +17,21 @@ from commweave.workloads import Shape, Workload, get_workload
 
 
 def _call(wl: Workload, shape: Shape, inputs: dict[str, torch.Tensor], out: torch.Tensor | None,
-          program: str | None) -> torch.Tensor:
+          program: str | None, group=None) -> torch.Tensor:
     """The workload's public op on `inputs` (named as in make_inputs)."""
     if wl.name == "gemm-allgather":
-        return ops.gemm_allgather(inputs["a"], inputs["b"], program=program)
+        return ops.gemm_allgather(inputs["a"], inputs["b"], program=program, group=group)
     if wl.name in ("gemm-allgather-lossy", "moe-lossy"):  # no function of their own: the generic op by name
-        return ops.op(wl.name, program)(**inputs)
+        return ops.op(wl.name, program)(**inputs, group=group)
     if wl.name == "attention-cp":
         return ops.context_parallel_attention(inputs["q"], inputs["k"], inputs["v"], causal=bool(shape["CAUSAL"]),
-                                              program=program)
+                                              program=program, group=group)
     if wl.name == "moe":
         return ops.moe_layer(inputs["x"], inputs["topk_idx"], inputs["topk_weights"], inputs["w13"], inputs["w2"],
-                             program=program)
+                             program=program, group=group)
     if wl.name == "kv-transfer":
-        return ops.transfer_kv(inputs.get("kv"), inputs["src_blocks"], inputs["dst_blocks"], out, program=program)
+        return ops.transfer_kv(inputs.get("kv"), inputs["src_blocks"], inputs["dst_blocks"], out, program=program,
+                               group=group)
     raise ValueError(f"no op for {wl.name}")
 
 
@@ -44,11 +45,16 @@ def _error(wl: Workload, shape: Shape, world: int, rank: int, seed: int, out: to
 
 
 def op_check(ctx, workload: str, shape_text: str, seed: int, calls: int = 2, program: str | None = None,
-             path: str | None = None) -> dict:
+             path: str | None = None, pairs: bool = False) -> dict:
     """Call a workload's op (or `ops.load(path)`) `calls` times with fresh inputs from make_inputs:
-    the largest error, whether the inputs stayed intact, and the warnings raised."""
+    the largest error, whether the inputs stayed intact, and the warnings raised. `pairs`: over
+    groups of two ranks ({0, 1}, {2, 3}, ...), each pair computing its own call at W = 2."""
     wl = get_workload(workload)
     world, rank, device = ctx.world_size, ctx.rank, ctx.device
+    group = None
+    if pairs:
+        groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        group, world, rank = groups[rank // 2], 2, rank % 2
     shape = wl.parse_shape(shape_text, world)
     worst, intact = 0.0, True
     with warnings.catch_warnings(record=True) as caught:
@@ -61,18 +67,18 @@ def op_check(ctx, workload: str, shape_text: str, seed: int, calls: int = 2, pro
             out = None
             if wl.name == "kv-transfer":  # the caller's cache, allocated as a user does (a window on GPUs)
                 like = wl.make_output(shape, world, rank, torch.device("meta"))
-                out = poison_(ops.symmetric_zeros(like.shape, like.dtype, device))
+                out = poison_(ops.symmetric_zeros(like.shape, like.dtype, device, group=group))
             if path is not None:
-                result = ops.load(path)(out=out, **inputs)
+                result = ops.load(path)(out=out, group=group, **inputs)
             else:
-                result = _call(wl, shape, inputs, out, program)
+                result = _call(wl, shape, inputs, out, program, group)
             if out is not None and result is not out:
                 raise AssertionError("an op given its output must write and return that tensor")
             worst = max(worst, _error(wl, shape, world, rank, seed + call, result))
             pristine = wl.make_inputs(shape, world, rank, seed + call, device)
             intact = intact and all(torch.equal(inputs[k], pristine[k]) for k in inputs)
     return {"error": worst, "inputs_intact": intact, "warnings": [str(w.message) for w in caught],
-            "device": str(ops.context().device)}
+            "device": str(ops.context(group=group).device)}
 
 
 def fallback_warns_once(ctx) -> list[str]:
