@@ -1,4 +1,4 @@
-"""Jobs for tests/test_ops.py and tests/gpu/test_ops_gpu.py, run inside WorkerPool workers
+"""Jobs for tests/test_ops*.py and tests/test_nn.py, run inside WorkerPool workers
 (imported by name). They call `commweave.ops` the way a user's distributed program does: the
 worker's process group is initialized, and the ops make their own context from it (the pool's
 `ctx` is not used)."""
@@ -333,3 +333,20 @@ def compiled_with_group_objects(ctx) -> dict:
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(a, b)
     return {"equal": [bool(torch.equal(x, y)) for x, y in zip(eager, compiled)],
             "shapes": [tuple(x.shape) for x in compiled]}
+
+
+def contexts_per_group(ctx) -> dict:
+    """Calls over a pair group and over the default group make one context each, over exactly
+    their ranks; `ops.close()` closes both, and the next call makes a fresh one."""
+    from commweave.runtime.default import contexts
+
+    pair = [dist.new_group([r, r + 1]) for r in range(0, ctx.world_size, 2)][ctx.rank // 2]
+    a, b = torch.randn(4, 8).bfloat16(), torch.randn(8, 2).bfloat16()
+    ops.gemm_allgather(a, b, group=pair)
+    ops.gemm_allgather(a, b)
+    made = {("pair" if name == pair.group_name else "world"): (c.rank, c.world_size, c.group is pair)
+            for name, c in contexts().items()}
+    ops.close()
+    after_close = len(contexts())
+    ops.gemm_allgather(a, b, group=pair)
+    return {"made": made, "after_close": after_close, "after_call": len(contexts())}

@@ -73,6 +73,14 @@ def test_ops_over_two_pairs_of_ranks(cpu_pool4: WorkerPool, workload: str) -> No
         assert value["inputs_intact"] and value["error"] <= wl.tolerance(), f"{workload} {shape}: {value}"
 
 
+def test_one_context_per_group(cpu_pool4: WorkerPool) -> None:
+    result = cpu_pool4.run("ops_jobs:contexts_per_group")
+    assert result.ok, result.first_failure()
+    for rank, value in enumerate(result.values):
+        assert value == {"made": {"pair": (rank % 2, 2, True), "world": (rank, 4, False)}, "after_close": 0,
+                         "after_call": 1}, value
+
+
 def test_seed_falls_back_to_baseline_with_one_warning(cpu_pool: WorkerPool) -> None:
     result = cpu_pool.run("ops_jobs:fallback_warns_once")
     assert result.ok, result.first_failure()
