@@ -115,6 +115,37 @@ def test_every_op_on_one_gpu_eager_compiled_and_in_a_callers_cuda_graph() -> Non
         _check(outs, cache, fresh, f"replay with seed {seed}")
 
 
+@one_gpu
+def test_a_programs_graph_cache_records_into_the_callers_capture() -> None:
+    """The seeds' CallGraphs: under a caller's capture it neither captures (captures cannot nest)
+    nor replays, it issues the call, so the caller's graph holds it and recomputes on new values."""
+    from commweave.runtime.graphs import CallGraphs
+
+    graphs = CallGraphs()
+    x = torch.arange(8.0, device="cuda")
+    y = torch.empty_like(x)
+
+    def call() -> None:
+        torch.mul(x, 2.0, out=y)
+
+    graphs(call, [x, y])  # the program's first call: eager
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graphs(call, [x, y])  # its own capture and replay, outside any caller's
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(graphs) == 1
+    caller = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(caller):
+        graphs(call, [x, y])
+    assert len(graphs) == 1, "no capture of its own inside the caller's"
+    for scale in (3.0, 5.0):
+        x.copy_(torch.arange(8.0, device="cuda") * scale)
+        caller.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x * 2.0)
+
+
 # -- several GPUs: the seed inside a caller's capture; the TP MLP -----------------------------------
 @pytest.fixture(scope="module")
 def pool2():

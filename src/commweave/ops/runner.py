@@ -7,9 +7,9 @@ first op call and kept (`context(group=)`); each program text is loaded once; an
 communicators and compiles kernels, far too slow to repeat per call, and impossible inside a CUDA
 graph capture (a first call of a shape under capture raises; later calls are capturable).
 
-Collective: setup talks to every rank of the group. All its ranks must make the same op calls, in the same order,
-with tensors of the same shapes (kv-transfer: the same tables and cache geometry on both ranks of
-a pair). When a call needs a new setup, the ranks first compare what they were given and all
+Collective: setup talks to every rank of the group. All its ranks must make the same op calls, in
+the same order, with tensors of the same shapes (kv-transfer: the same tables and cache geometry
+on both ranks of a pair). When a call needs a new setup, the ranks first compare what they were given and all
 raise the same ValueError if they differ, instead of hanging in a half-matched collective. An
 error only one rank raises (a bad tensor on that rank alone) leaves the others waiting in the
 program's collectives, as with any torch.distributed collective. Each shape's state (its windows)
