@@ -126,6 +126,18 @@ def test_kv_transfer_on_one_rank_is_both_ends() -> None:
     assert ops.op("kv-transfer")(kv=kv, src_blocks=src, dst_blocks=dst, out=out) is out and torch.equal(out, cache)
 
 
+def test_generic_op_orders_tensors_by_the_workloads_input_names() -> None:
+    op = ops.Op("gemm-allgather")  # an Op of its own, so its workload instance can declare names
+    op.workload.input_names = ("b", "a")
+    a, b = _bf16(6, 8), _bf16(8, 4)
+    assert op.input_order({"a": a, "b": b}) == ("b", "a")
+    assert torch.equal(op(a=a, b=b), a @ b)
+    with pytest.raises(ValueError, match=r"unexpected input c for gemm-allgather \(expects b, a\)"):
+        op(a=a, b=b, c=a)
+    with pytest.raises(ValueError, match="a must be a torch.Tensor, not list"):
+        ops.op("gemm-allgather")(a=[1.0], b=b)
+
+
 # -- torch.compile, autograd, groups ----------------------------------------------------------------
 def test_every_op_compiles_fullgraph() -> None:
     moe = _moe_inputs()
