@@ -200,13 +200,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def tp_mlp(ctx, tp: int, compiled: bool = False) -> dict:
+def tp_mlp(ctx, tp: int, compiled: bool = False, compiler: str = "aot_eager") -> dict:
     """The TP MLP over tensor-parallel groups of `tp` consecutive ranks, data-parallel across them
     (a gradient all-reduce over each DP group, ranks with the same TP rank), against one plain
     float32 MLP over every replica's batch: errors of the output, the input gradient and both
     weight gradients (relative Frobenius), and the warnings raised. `compiled`: the block under
-    torch.compile(fullgraph=True), its output and gradients also compared with eager's. On the
-    worker's device (the reference on the CPU)."""
+    torch.compile(fullgraph=True) with the `compiler` backend, its output and gradients also
+    compared with eager's. On the worker's device (the reference on the CPU)."""
     world, rank = ctx.world_size, ctx.rank
     replicas = world // tp
     tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(replicas)]
@@ -248,7 +248,7 @@ def tp_mlp(ctx, tp: int, compiled: bool = False) -> dict:
 
             def backend(gm, example_inputs):  # records the commweave ops dynamo put in each graph
                 graphs.append(sorted(str(n.target) for n in gm.graph.nodes if "commweave" in str(n.target)))
-                return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+                return torch._dynamo.lookup_backend(compiler)(gm, example_inputs)
 
             fast = step(torch.compile(model, fullgraph=True, backend=backend))
             result["graphs"] = graphs

@@ -47,14 +47,19 @@ def test_tp_mlp_whole_world_tp(pool: WorkerPool) -> None:
     _check(result.values)
 
 
-def test_tp_mlp_compiles_fullgraph_and_matches_eager(pool: WorkerPool) -> None:
-    result = pool.run("ops_jobs:tp_mlp", tp=2, compiled=True)
+@pytest.mark.parametrize("compiler,close", [("aot_eager", 1e-6), ("inductor", 1e-2)])
+def test_tp_mlp_compiles_fullgraph_and_matches_eager(pool: WorkerPool, compiler: str, close: float) -> None:
+    """aot_eager: dynamo's graph and AOTAutograd's joint graph run as traced, bit for bit eager's;
+    inductor (W = 2 only: compiling costs CPU time) also generates the glue's kernels."""
+    if compiler == "inductor" and pool.world_size != 2:
+        pytest.skip("inductor is compiled at W = 2 only")
+    result = pool.run("ops_jobs:tp_mlp", tp=2, compiled=True, compiler=compiler)
     assert result.ok, result.first_failure()
     _check(result.values, "compiled_errors")
     for rank, value in enumerate(result.values):
         assert value["graphs"] == [["commweave.gemm_allgather", "commweave.gemm_reducescatter"]], value
         for what, diff in value["compiled_vs_eager"].items():
-            assert diff <= 1e-6, f"rank {rank}: compiled {what} differs from eager by {diff:.3g}"
+            assert diff <= close, f"rank {rank}: compiled {what} differs from eager by {diff:.3g}"
 
 
 # -- one process: the layers at W = 1 --------------------------------------------------------------
