@@ -35,13 +35,19 @@ GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it 
 
 
 # -- collectives of the torch paths (functional: traceable inside compiled backward graphs) --------
-def _all_gather_rows(t: Tensor, group: str) -> Tensor:
-    """Every rank's `t` stacked along dim 0, in rank order (itself on one rank)."""
+def _all_gather_rows(t: Tensor, group: str, wait: bool = True) -> Tensor:
+    """Every rank's `t` stacked along dim 0, in rank order (itself on one rank). `wait=False`
+    returns the collective's pending result: pass it to `_waited` once the work to overlap with it
+    is queued."""
     world = group_size(group)
     if world == 1:
         return t
-    c10d = torch.ops._c10d_functional
-    return c10d.wait_tensor(c10d.all_gather_into_tensor(t.contiguous(), world, group))
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), world, group)
+    return _waited(gathered, group) if wait else gathered
+
+
+def _waited(t: Tensor, group: str) -> Tensor:
+    return t if group_size(group) == 1 else torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _reduce_scatter_rows(t: Tensor, group: str) -> Tensor:
@@ -175,14 +181,16 @@ def _save_ab(ctx: Any, inputs: tuple, output: Tensor) -> None:
 
 def _gemm_allgather_backward(ctx: Any, grad: Tensor) -> tuple:
     """grad_a = reduce_scatter(grad @ b^T) (the GEMM+RS op); grad_b = all_gather(a)^T @ grad, A
-    gathered again here (as Megatron's sequence parallelism does: no [M, K] kept from forward)."""
+    gathered again here (as Megatron's sequence parallelism does: no [M, K] kept from forward),
+    the gather started first so it overlaps grad_a's op."""
     a, b = ctx.saved_tensors
     grad = grad.contiguous()
     grad_a = grad_b = None
+    pending = _all_gather_rows(a, ctx.group, wait=False) if ctx.needs_input_grad[1] else None
     if ctx.needs_input_grad[0]:
         grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t().contiguous(), ctx.group, None)
-    if ctx.needs_input_grad[1]:
-        grad_b = _all_gather_rows(a, ctx.group).t() @ grad
+    if pending is not None:
+        grad_b = _waited(pending, ctx.group).t() @ grad
     return grad_a, grad_b, None, None
 
 
