@@ -11,14 +11,15 @@ breaks; autograd where a backward exists (the tensor-parallel pair); the group t
 
 `group` is a process group's name ("" for a single process); `program` None for the workload's
 seed. With W = 1 every op computes locally with no communication (the single-rank functions
-below); with W >= 2 the real implementation runs the workload's program through `runner.Op`
-(setup per shape, collectives), opaque to dynamo.
+below; a named program is still looked up, so a wrong name fails alike on any W); with W >= 2 the
+real implementation runs the workload's program through `runner.Op` (setup per shape,
+collectives), opaque to dynamo.
 """
 
 from __future__ import annotations
 
-import functools
 import ast
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -48,15 +49,6 @@ def _all_gather_rows(t: Tensor, group: str, wait: bool = True) -> Tensor:
 
 def _waited(t: Tensor, group: str) -> Tensor:
     return t if group_size(group) == 1 else torch.ops._c10d_functional.wait_tensor(t)
-
-
-def _reduce_scatter_rows(t: Tensor, group: str) -> Tensor:
-    """The sum of every rank's `t`, this rank's block of rows of it (`t` itself on one rank)."""
-    world = group_size(group)
-    if world == 1:
-        return t
-    c10d = torch.ops._c10d_functional
-    return c10d.wait_tensor(c10d.reduce_scatter_tensor(t.contiguous(), "sum", world, group))
 
 
 # -- single-rank computations (W = 1): the op's result with nothing to talk to ----------------------
@@ -153,15 +145,10 @@ def _registered(workload: str) -> bool:
     return workload in registry()
 
 
-def _workload_op(workload: str, program: str | None) -> runner.Op:
-    """The Op of (workload, program): a named program is validated even where W = 1 runs none."""
-    return runner.op(workload, program)
-
-
 # -- gemm_allgather: out [M, N/W] = all_gather(a) @ b ---------------------------------------------
 @torch.library.custom_op("commweave::gemm_allgather", mutates_args=())
 def gemm_allgather(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
-    op = _workload_op("gemm-allgather", program)
+    op = runner.op("gemm-allgather", program)
     if group_size(group) == 1:
         return _gemm_local({"a": a, "b": b}, None, {})
     return op.run(group, {"a": a, "b": b})
@@ -205,7 +192,7 @@ _rs_warned: list[bool] = []
 def gemm_reducescatter(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
     world = group_size(group)
     if _registered(GEMM_RS):
-        op = _workload_op(GEMM_RS, program)
+        op = runner.op(GEMM_RS, program)
         return _gemm_local({"a": a, "b": b}, None, {}) if world == 1 else op.run(group, {"a": a, "b": b})
     if program is not None:
         raise ValueError(f"program {program!r} is for workload {GEMM_RS!r}, which is not registered in this install")
@@ -266,7 +253,7 @@ def _raise_no_backward(name: str) -> Callable[..., tuple]:
 @torch.library.custom_op("commweave::context_parallel_attention", mutates_args=())
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str,
                                program: Optional[str]) -> Tensor:
-    op = _workload_op("attention-cp", program)
+    op = runner.op("attention-cp", program)
     if group_size(group) == 1:
         return _attention_local({"q": q, "k": k, "v": v}, None, {"causal": causal})
     return op.run(group, {"q": q, "k": k, "v": v}, causal=causal)
@@ -280,7 +267,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str, program: Option
 @torch.library.custom_op("commweave::moe_layer", mutates_args=())
 def moe_layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, group: str,
               program: Optional[str]) -> Tensor:
-    op = _workload_op("moe", program)
+    op = runner.op("moe", program)
     inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
     return _moe_local(inputs, None, {}) if group_size(group) == 1 else op.run(group, inputs)
 
@@ -294,7 +281,7 @@ def _(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
 @torch.library.custom_op("commweave::transfer_kv", mutates_args=("cache",))
 def transfer_kv(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tensor, group: str,
                 program: Optional[str]) -> None:
-    op = _workload_op("kv-transfer", program)
+    op = runner.op("kv-transfer", program)
     inputs = {"kv": kv, "src_blocks": src_blocks, "dst_blocks": dst_blocks}
     if group_size(group) == 1:
         _kv_local(inputs, cache, {})
