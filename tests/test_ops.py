@@ -48,6 +48,39 @@ def test_op_matches_reference(cpu_pool: WorkerPool, workload: str, shape: str) -
         assert value["error"] <= wl.tolerance(), f"{workload} {shape}: error {value['error']:.3g}"
 
 
+@pytest.fixture(scope="module")
+def cpu_pool4():
+    with WorkerPool(4, device="cpu", job_timeout_s=120) as pool:
+        yield pool
+
+
+#: host baselines that address peers by their rank in the group where torch wants a global rank
+#: (`dist.send(t, dst, group=)`, `P2POp(op, t, peer, group=)`): they fail on any group but the
+#: default one until they pass `group_dst=` / `group_src=` / `group_peer=` instead
+GLOBAL_PEERS = {"attention-cp", "kv-transfer"}
+
+
+@pytest.mark.parametrize("workload", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="its host baseline sends to group ranks as global ranks"))
+    if name in GLOBAL_PEERS else name for name in sorted(registry())])
+def test_ops_over_two_pairs_of_ranks(cpu_pool4: WorkerPool, workload: str) -> None:
+    """Four ranks, two groups {0, 1} and {2, 3}, each pair its own W = 2 call (and context)."""
+    wl = get_workload(workload)
+    shape = wl.check_shapes(WORLD)[0].label
+    result = cpu_pool4.run("ops_jobs:op_check", workload=workload, shape_text=shape, seed=3, pairs=True)
+    assert result.ok, result.first_failure()
+    for value in result.values:
+        assert value["inputs_intact"] and value["error"] <= wl.tolerance(), f"{workload} {shape}: {value}"
+
+
+def test_one_context_per_group(cpu_pool4: WorkerPool) -> None:
+    result = cpu_pool4.run("ops_jobs:contexts_per_group")
+    assert result.ok, result.first_failure()
+    for rank, value in enumerate(result.values):
+        assert value == {"made": {"pair": (rank % 2, 2, True), "world": (rank, 4, False)}, "after_close": 0,
+                         "after_call": 1}, value
+
+
 def test_seed_falls_back_to_baseline_with_one_warning(cpu_pool: WorkerPool) -> None:
     result = cpu_pool.run("ops_jobs:fallback_warns_once")
     assert result.ok, result.first_failure()

@@ -86,6 +86,10 @@ class Workload(ABC):
     #: yardsticks that only move the call's data: `bench` reports their bandwidth (`cost()`'s
     #: comm_bytes over their time) beside the measured peer-copy rate
     comm_yardsticks: tuple[str, ...] = ()
+    #: the tensors of one call in order, named as in `make_inputs` (those a user passes: no stand-in
+    #: extras), e.g. ("a", "b"): `commweave.ops` hands them to its generic custom op in this order,
+    #: so no op code names a workload's inputs; empty: the caller's names, sorted
+    op_inputs: tuple[str, ...] = ()
 
     @property
     def programs_dir(self) -> Path:
@@ -166,6 +170,20 @@ class Workload(ABC):
         return (values + 4 * -(-values // MAX_GROUP)) / (values * item_bytes)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """The op's result on one rank (W = 1, nothing to communicate), computed locally from the
+        tensors named as in `make_inputs` (and `out`, for a workload whose output the caller owns),
+        so a TP = 1 configuration uses the same call. Default: the workload's own programs run only
+        on its `world_sizes`, so without an override W = 1 is refused with the reason."""
+        raise NotImplementedError(f"workload {self.name!r} has no single-rank computation, so its op needs a "
+                                  "process group of 2 or more ranks (implement Workload.single_rank)")
+
+    def op_options(self, shape: Shape) -> dict[str, Any]:
+        """The options (`shape_from_inputs` keywords, e.g. attention's `causal`) a call of `shape`
+        passes besides its tensors: what a caller who holds only the shape would pass."""
+        return {}
+
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None, **options: Any) -> Shape:
         """The shape of a call on this rank's tensors (named as in `make_inputs`), so a user's

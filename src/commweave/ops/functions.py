@@ -1,8 +1,12 @@
 """The workloads as PyTorch functions for users' distributed models.
 
-Every function is collective: call it on every rank of the default process group, in the same
-order, with tensors of the same shapes (the first call for a shape runs the program's setup on
-all ranks: symmetric windows, device communicators, kernel compiles; later calls reuse it).
+Every function is collective over its `group` (a ProcessGroup, a 1-D DeviceMesh, (mesh, dim), or
+None: the default group, or this process alone when torch.distributed is not initialized): call it
+on every rank of the group, in the same order, with tensors of the same shapes (the first call for
+a shape runs the program's setup on all its ranks: symmetric windows, device communicators, kernel
+compiles; later calls reuse it, and may run inside a CUDA graph capture; the first may not). On a
+group of one rank the call computes locally with no communication. Each function calls a
+`torch.ops.commweave.*` custom op, so torch.compile(fullgraph=True) keeps it in its graph.
 `program` picks what runs: None for the workload's seed (its baseline program where the seed
 cannot run, e.g. on CPU, with one warning), a program name (`commweave list`), or a file that
 `commweave export` wrote.
@@ -15,34 +19,44 @@ from pathlib import Path
 
 import torch
 
+from commweave.ops import library
 from commweave.ops.exported import export_info
-from commweave.ops.runner import Op, ProgramSpec
-
-_ops: dict[tuple[str, str | None], Op] = {}
-
-
-def op(workload: str, program: ProgramSpec = None) -> Op:
-    """The process's `Op` for (workload, program), made once (a file is read once)."""
-    key = (workload, None if program is None else os.fspath(program))
-    if key not in _ops:
-        _ops[key] = Op(workload, program)
-    return _ops[key]
+from commweave.ops.groups import GroupLike, group_name
+from commweave.ops.runner import Op, ProgramSpec, op
 
 
-def gemm_allgather(a_shard: torch.Tensor, b_local: torch.Tensor, program: ProgramSpec = None) -> torch.Tensor:
+def _spec(program: ProgramSpec) -> str | None:
+    return None if program is None else os.fspath(program)
+
+
+def gemm_allgather(a_shard: torch.Tensor, b_local: torch.Tensor, program: ProgramSpec = None,
+                   group: GroupLike = None) -> torch.Tensor:
     """out [M, N/W] = all_gather(A) @ B_local: a column-parallel linear layer whose input rows are
-    sharded over the W ranks, the gather hidden behind the GEMM.
+    sharded over the W ranks, the gather hidden behind the GEMM. Has a backward.
 
     a_shard: this rank's rows of A, [M/W, K] bf16 (rank r holds rows r*M/W ...). b_local: this
     rank's columns of B, [K, N/W] bf16. Returns this rank's columns of the product, [M, N/W] bf16.
     """
-    return op("gemm-allgather", program)(a=a_shard, b=b_local)
+    return torch.ops.commweave.gemm_allgather(a_shard, b_local, group_name(group), _spec(program))
+
+
+def gemm_reducescatter(a_local: torch.Tensor, b_local: torch.Tensor, program: ProgramSpec = None,
+                       group: GroupLike = None) -> torch.Tensor:
+    """out [M/W, N] = reduce_scatter(A_local @ B_local) over rows: a row-parallel linear layer whose
+    output goes back to sequence-sharded rows. Has a backward.
+
+    a_local [M, K/W] (this rank's columns of A), b_local [K/W, N] (its rows of B). Returns this
+    rank's rows r*M/W ... of the summed product, [M/W, N]. Runs the `gemm-reducescatter` workload's
+    program where that workload is installed, else torch.matmul and NCCL's reduce-scatter (with one
+    warning).
+    """
+    return torch.ops.commweave.gemm_reducescatter(a_local, b_local, group_name(group), _spec(program))
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                               program: ProgramSpec = None) -> torch.Tensor:
+                               program: ProgramSpec = None, group: GroupLike = None) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of the whole sequence, which is
-    sharded over the W ranks (context parallelism, forward, batch 1).
+    sharded over the W ranks (context parallelism, forward only, batch 1).
 
     q [S/W, Hq, D], k and v [S/W, Hkv, D], bf16, sequence-major (Hq a multiple of Hkv: grouped-
     query attention). Full attention: rank r holds the contiguous block r. Causal: the zigzag
@@ -50,32 +64,36 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     2W-1-r, in that order (`commweave.workloads.attention_cp.attention.shard_ranges` gives them).
     Returns [S/W, Hq, D] bf16 for this rank's queries.
     """
-    return op("attention-cp", program)(q=q, k=k, v=v, causal=causal)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, not {causal!r}")
+    library.no_backward("context_parallel_attention", {"q": q, "k": k, "v": v})
+    return torch.ops.commweave.context_parallel_attention(q, k, v, causal, group_name(group), _spec(program))
 
 
 def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, program: ProgramSpec = None) -> torch.Tensor:
-    """An expert-parallel MoE layer (routed experts, SwiGLU): each token goes to its top-k experts
-    wherever they live and comes back as sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]).
+              w2: torch.Tensor, program: ProgramSpec = None, group: GroupLike = None) -> torch.Tensor:
+    """An expert-parallel MoE layer (routed experts, SwiGLU; forward only): each token goes to its
+    top-k experts wherever they live and comes back as sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]).
 
     x [T, H] bf16 (T equal on every rank); topk_idx [T, k] int64, global expert ids in [0, E),
     distinct per token (not checked: that would stall the GPU every call); topk_weights [T, k]
     float32; w13 [E/W, 2I, H] bf16 (gate rows, then up rows) and w2 [E/W, H, I] bf16, this rank's
     experts r*E/W ... (r+1)*E/W - 1. Returns [T, H] bf16.
     """
-    return op("moe", program)(x=x, topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w2=w2)
+    library.no_backward("moe_layer", {"x": x, "topk_weights": topk_weights, "w13": w13, "w2": w2})
+    return torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group_name(group), _spec(program))
 
 
 def transfer_kv(kv: torch.Tensor | None, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, cache: torch.Tensor,
-                program: ProgramSpec = None) -> torch.Tensor:
+                program: ProgramSpec = None, group: GroupLike = None) -> torch.Tensor:
     """Move one sequence's paged KV cache from a prefill GPU to a decode GPU (disaggregated
-    serving). Ranks pair up as (0 -> 1), (2 -> 3): an even rank is the source, the next odd rank
-    its destination; both call this together.
+    serving). The group's ranks pair up as (0 -> 1), (2 -> 3): an even rank is the source, the next
+    odd rank its destination; both call this together. On one rank, that rank is both.
 
     cache: this rank's paged cache [L, 2, NB, 16, KV, 128] bf16 (vLLM's per-layer [2, NB, 16, KV,
     D] stacked over layers; the same geometry on both ranks), written in place and returned. On
     GPUs the source stores straight into the destination's cache, so every rank allocates its
-    cache once with `commweave.ops.symmetric_zeros(...)` (a symmetric window).
+    cache once with `commweave.ops.symmetric_zeros(..., group=)` (a symmetric window).
     src_blocks, dst_blocks: int64 [nb], the sequence's pages in the source's and the destination's
     cache, the same tables on both ranks (distinct, in [0, NB): not checked). kv: on the source,
     the sequence's new K/V [L, 2, S, KV, 128] bf16 with ceil(S/16) = nb, which it writes into its
@@ -83,13 +101,15 @@ def transfer_kv(kv: torch.Tensor | None, src_blocks: torch.Tensor, dst_blocks: t
     call the destination's page dst_blocks[i] holds the source's page src_blocks[i], bit for bit;
     no other block of either cache is written.
     """
-    return op("kv-transfer", program)(kv=kv, src_blocks=src_blocks, dst_blocks=dst_blocks, out=cache)
+    library.no_backward("transfer_kv", {"kv": kv, "cache": cache})
+    torch.ops.commweave.transfer_kv(kv, src_blocks, dst_blocks, cache, group_name(group), _spec(program))
+    return cache
 
 
 def load(path: str | os.PathLike, workload: str | None = None) -> Op:
     """The op of a program file `commweave export` wrote; its export line names the workload, so
-    `load(path)(**tensors)` runs it (tensors named as in the workload's inputs, an output the
-    caller owns as `out=`). A file without that line needs `workload`."""
+    `load(path)(**tensors, group=...)` runs it (tensors named as in the workload's inputs, an output
+    the caller owns as `out=`). A file without that line needs `workload`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no program file at {path}")
@@ -101,3 +121,7 @@ def load(path: str | os.PathLike, workload: str | None = None) -> Op:
     if named is not None and workload is not None and named != workload:
         raise ValueError(f"{path} was exported for workload {named!r}, not {workload!r}")
     return op(named or workload, path)
+
+
+__all__ = ["context_parallel_attention", "gemm_allgather", "gemm_reducescatter", "load", "moe_layer", "op",
+           "transfer_kv"]

@@ -1,14 +1,15 @@
 """Running a workload's program on a user's tensors, inside the user's own distributed program.
 
 The user has initialized torch.distributed (one process per GPU: NCCL on CUDA, gloo on CPU). This
-process then gets one `RankContext` over that default group, made at the first op call and kept
-(`context()`); each program text is loaded once; and each program's `setup` state is kept per
-shape, because setup allocates symmetric windows, creates device communicators and compiles
-kernels, far too slow to repeat per call.
+process then gets one `RankContext` per process group an op is called over, made at the group's
+first op call and kept (`context(group=)`); each program text is loaded once; and each program's
+`setup` state is kept per (group, shape), because setup allocates symmetric windows, creates device
+communicators and compiles kernels, far too slow to repeat per call, and impossible inside a CUDA
+graph capture (a first call of a shape under capture raises; later calls are capturable).
 
-Collective: setup talks to every rank. All ranks must make the same op calls, in the same order,
-with tensors of the same shapes (kv-transfer: the same tables and cache geometry on both ranks of
-a pair). When a call needs a new setup, the ranks first compare what they were given and all
+Collective: setup talks to every rank of the group. All its ranks must make the same op calls, in
+the same order, with tensors of the same shapes (kv-transfer: the same tables and cache geometry
+on both ranks of a pair). When a call needs a new setup, the ranks first compare what they were given and all
 raise the same ValueError if they differ, instead of hanging in a half-matched collective. An
 error only one rank raises (a bad tensor on that rank alone) leaves the others waiting in the
 program's collectives, as with any torch.distributed collective. Each shape's state (its windows)
@@ -29,7 +30,10 @@ import torch.distributed as dist
 
 from commweave.contracts.program import load_program, parse_program, unavailable_reason
 from commweave.ops.exported import export_info
-from commweave.runtime.default import close_context, context, current_context
+from commweave.ops.groups import SINGLE, GroupLike, group_name, group_size, process_group
+from commweave.runtime.context import RankContext
+from commweave.runtime.default import close_context, contexts
+from commweave.runtime.default import context as group_context
 from commweave.runtime.launch import on_device
 from commweave.contracts.workload import Shape, Workload
 from commweave.workloads import get_workload
@@ -38,18 +42,23 @@ from commweave.workloads import get_workload
 ProgramSpec = str | os.PathLike | None
 
 _modules: dict[str, types.ModuleType] = {}  # program text digest -> loaded module
-_states: dict[tuple[Any, ...], tuple[types.ModuleType, Any]] = {}  # (workload, digest, shape) -> (module, state)
+_states: dict[tuple[Any, ...], tuple[RankContext, types.ModuleType, Any]] = {}  # (group, workload, digest, shape) -> ...
 _warned: set[str] = set()  # workloads whose seed fallback was announced
 
 
+def context(device: torch.device | str | None = None, group: GroupLike = None) -> RankContext:
+    """This process's context over `group` (None: the default group; see `commweave.ops.groups`),
+    made at its first use, a collective over the group's members."""
+    name = group_name(group)
+    return group_context(device, process_group(name))
+
+
 def close() -> None:
-    """Collective: tear down every program's state and this process's context (NCCL communicator,
-    windows). Call it on every rank before `destroy_process_group()`; a later op call starts over."""
-    ctx = current_context()
-    if ctx is None:
-        return
+    """Collective: tear down every program's state and this process's contexts (NCCL communicators,
+    windows), every group's. Call it on every rank before `destroy_process_group()`; a later op
+    call starts over."""
     try:
-        for module, state in _states.values():
+        for ctx, module, state in _states.values():
             teardown = getattr(module, "teardown", None)
             if teardown is not None:
                 teardown(ctx, state)
@@ -91,7 +100,9 @@ class Op:
     """A workload's program as a function of a user's tensors: `Op("gemm-allgather")(a=..., b=...)`
     returns this rank's output. Tensors are named as in the workload's `make_inputs`; `out` is an
     output the caller owns (written in place, e.g. kv-transfer's paged cache), else one is made;
-    other keywords are options of the workload's `shape_from_inputs` (attention's `causal`).
+    `group` picks the ranks (`commweave.ops.groups`); other keywords are options of the workload's
+    `shape_from_inputs` (attention's `causal`). A call goes through the custom op
+    `torch.ops.commweave.call` (or `call_out`), so torch.compile sees one opaque op.
 
     With `program=None` it runs the workload's seed, or, where the seed says it cannot run here
     (`available(ctx)`, e.g. on CPU), the workload's fitness baseline, with one warning."""
@@ -99,26 +110,52 @@ class Op:
     def __init__(self, workload: str | Workload, program: ProgramSpec = None):
         self.workload = get_workload(workload) if isinstance(workload, str) else workload
         self.default = program is None
+        self.spec = None if program is None else os.fspath(program)
         self.program, self._text = program_source(self.workload, program)
         parse_program(self._text)  # a malformed file fails here, not at the first call
         self._module: types.ModuleType | None = None
         self._digest = ""
         params = inspect.signature(self.workload.shape_from_inputs).parameters
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        self._options = {n for n, p in params.items() if p.kind in named and n not in ("inputs", "world_size", "rank", "out")}
+        self.options = {n for n, p in params.items() if p.kind in named and n not in ("inputs", "world_size", "rank", "out")}
+        _ops.setdefault((self.workload.name, self.spec), self)
 
     def __repr__(self) -> str:
         return f"Op({self.workload.name!r}, program={self.program!r})"
 
-    def __call__(self, out: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, out: torch.Tensor | None = None, group: GroupLike = None, **kwargs: Any) -> torch.Tensor:
+        from commweave.ops import library
+
+        options = {k: v for k, v in kwargs.items() if k in self.options}
+        inputs = {k: v for k, v in kwargs.items() if k not in self.options}
+        return library.call_workload(self, inputs, out, group_name(group), options)
+
+    def input_order(self, inputs: dict[str, Any]) -> tuple[str, ...]:
+        """The names of a call's tensors in the order the custom op carries them: the workload's
+        declared `input_names`, else the caller's names, sorted."""
+        return tuple(self.workload.op_inputs) or tuple(sorted(inputs))
+
+    def shape(self, inputs: dict[str, torch.Tensor], world_size: int, rank: int, out: torch.Tensor | None,
+              options: dict[str, Any]) -> Shape:
+        """The call's shape (the workload checks the tensors); None inputs are absent ones."""
+        given = {k: v for k, v in inputs.items() if v is not None}
+        if not given and out is None:
+            raise ValueError(f"{self.workload.name} got no tensors (expects them named as in make_inputs)")
+        return self.workload.shape_from_inputs(given, world_size, rank, out=out, **options)
+
+    def run(self, group: str, inputs: dict[str, torch.Tensor | None], out: torch.Tensor | None = None,
+            **options: Any) -> torch.Tensor:
+        """This rank's output over the group named `group` (W >= 2): the program on the group's
+        context. What the custom ops execute; call the Op itself from user code."""
         wl = self.workload
-        options = {k: v for k, v in kwargs.items() if k in self._options}
-        inputs = {k: v for k, v in kwargs.items() if k not in self._options and v is not None}
+        inputs = {k: v for k, v in inputs.items() if v is not None}
         first = next((v for v in [*inputs.values(), out] if isinstance(v, torch.Tensor)), None)
         if first is None:
             raise ValueError(f"{wl.name} got no tensors (expects them named as in make_inputs)")
-        ctx = context(first.device)
-        shape = wl.shape_from_inputs(inputs, ctx.world_size, ctx.rank, out=out, **options)
+        pg = process_group(group)
+        capturing = first.is_cuda and torch.cuda.is_current_stream_capturing()
+        ctx = group_context(first.device, pg) if not capturing else _existing_context(wl, group, first.device)
+        shape = self.shape(inputs, ctx.world_size, ctx.rank, out, options)
         inputs = {k: v.contiguous() for k, v in inputs.items()}
         if out is not None:
             _check_out(out, wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta")), ctx.device)
@@ -126,7 +163,7 @@ class Op:
             _check_symmetric(ctx, wl, out)
         with on_device(ctx.device):
             module = self._resolve(ctx)
-            state = self._state(ctx, module, shape)
+            state = self._state(ctx, group, module, shape, capturing)
             if out is None:
                 out = wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device)
             module.run(ctx, state, inputs, out)
@@ -156,27 +193,56 @@ class Op:
         self._module, self._digest = module, digest
         return module
 
-    def _state(self, ctx: RankContext, module: types.ModuleType, shape: Shape) -> Any:
-        """`setup(ctx, shape)`'s state, made once per (program, shape) after the ranks agree."""
-        key = (self.workload.name, self._digest, shape.label, tuple(sorted(shape.params.items())))
+    def _state(self, ctx: RankContext, group: str, module: types.ModuleType, shape: Shape, capturing: bool) -> Any:
+        """`setup(ctx, shape)`'s state, made once per (group, program, shape) after the ranks agree."""
+        key = (group, self.workload.name, self._digest, shape.label, tuple(sorted(shape.params.items())))
         if key not in _states:
+            if capturing:
+                raise RuntimeError(_CAPTURE_FIRST.format(what=f"{self.workload.name} on {shape.label} over group {group!r}"))
             everyone: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(everyone, (self.program, key), group=ctx.cpu_group)
             if any(theirs != key for _, theirs in everyone):
-                listed = "; ".join(f"rank {r}: {k[0]} program {name!r} on {k[2]}" for r, (name, k) in enumerate(everyone))
+                listed = "; ".join(f"rank {r}: {k[1]} program {name!r} on {k[3]}" for r, (name, k) in enumerate(everyone))
                 raise ValueError(f"ranks called {self.workload.name} with different programs or shapes ({listed}); "
                                  "setup is collective: every rank must pass tensors of the same shapes")
-            _states[key] = (module, module.setup(ctx, shape))
-        return _states[key][1]
+            _states[key] = (ctx, module, module.setup(ctx, shape))
+        return _states[key][2]
+
+
+_CAPTURE_FIRST = ("commweave.ops: the first call of {what} runs the program's setup (symmetric windows, device "
+                  "communicators, kernel compiles, a collective among the ranks), which a CUDA graph capture cannot "
+                  "hold: call the op once with these shapes before capturing")
+
+_ops: dict[tuple[str, str | None], Op] = {}  # (workload, program spec) -> its Op
+
+
+def op(workload: str, program: ProgramSpec = None) -> Op:
+    """The process's `Op` for (workload, program), made once (a file is read once)."""
+    key = (workload, None if program is None else os.fspath(program))
+    if key not in _ops:
+        _ops[key] = Op(workload, program)
+    return _ops[key]
+
+
+def _existing_context(wl: Workload, group: str, device: torch.device) -> RankContext:
+    """The group's context during a CUDA graph capture, which cannot create one."""
+    ctx = contexts().get(group)
+    if ctx is None:
+        raise RuntimeError(_CAPTURE_FIRST.format(what=f"an op over group {group!r} ({wl.name})"))
+    return ctx
 
 
 def symmetric_zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str | None = None) -> torch.Tensor:
-    """A zeroed tensor in a symmetric window of this process's context, which peers' device
-    programs can store into: on GPUs, the output of a workload whose programs need one (kv-transfer's
-    paged cache). Collective: every rank calls it in the same order with the same shape. It lives
-    until `close()`. On CPU there are no windows: a plain zeroed tensor."""
-    ctx = context(device)
+                    device: torch.device | str | None = None, group: GroupLike = None) -> torch.Tensor:
+    """A zeroed tensor in a symmetric window of this process's context over `group`, which peers'
+    device programs can store into: on GPUs, the output of a workload whose programs need one
+    (kv-transfer's paged cache). Collective: every rank of the group the op will run over calls it
+    in the same order with the same shape. It lives until `close()`. On CPU, or on one rank
+    (nothing stores into it from elsewhere), a plain zeroed tensor."""
+    name = group_name(group)
+    if name == SINGLE or group_size(name) == 1:
+        return torch.zeros(tuple(shape), dtype=dtype, device=device or "cpu")
+    ctx = context(device, name)
     if not ctx.is_cuda:
         return torch.zeros(tuple(shape), dtype=dtype, device=ctx.device)
     with torch.cuda.device(ctx.device):

@@ -50,12 +50,14 @@ class RankContext:
     """One rank's runtime: rank, world size, device, streams, symmetric memory, kernels."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, comm: Communicator | None,
-                 cpu_group: Any = None):
+                 cpu_group: Any = None, group: Any = None, owns_comm: bool = True):
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.comm = comm
         self.cpu_group = cpu_group
+        self._group = group  # None: torch.distributed's default group
+        self._owns_comm = owns_comm  # False: torch's own communicator, which torch destroys
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._modules: dict[Path, Module] = {}
         self._in_use: list[_SymmetricAllocation] = []
@@ -68,20 +70,31 @@ class RankContext:
         self._peer_ptr_cache: dict[tuple[int, int], list[int]] = {}
 
     @classmethod
-    def from_process_group(cls, device: torch.device | str | None = None) -> RankContext:
-        """This rank's context over torch.distributed's initialized default group (collective:
-        every rank calls it together). The worker pool builds its contexts this way, and so do
-        users' own distributed programs (`commweave.ops`).
+    def from_process_group(cls, device: torch.device | str | None = None, group: Any = None,
+                           torch_comm: bool = False) -> RankContext:
+        """This rank's context over one of torch.distributed's process groups (collective over its
+        members): `group` None is the default group; any other is a group this rank belongs to, and
+        only its members call this. The worker pool builds its contexts this way, and so do users'
+        own distributed programs (`commweave.ops`, one context per group).
 
         `device` defaults to the current CUDA device when the group has NCCL for CUDA, else the
-        CPU. On CUDA it creates an NCCL communicator of our own (torch does not expose its raw
-        `ncclComm_t`, and the device API needs one): rank 0's unique id is broadcast over a new
-        gloo group, which also serves `barrier()`. On CPU there is no communicator.
+        CPU. On CUDA the device API needs a raw `ncclComm_t` over exactly the group's ranks: with
+        `torch_comm` it is torch's own communicator of the group, where the build exposes it
+        (`ProcessGroupNCCL._comm_ptr()`; torch keeps ownership), else a communicator of our own
+        whose unique id is broadcast over the group's host side. The host side (`cpu_group`:
+        `barrier()`, setup's agreement checks) is a gloo group made with `new_group` for the
+        default group (a collective of every rank); for a subgroup, whose peers outside it are busy
+        with their own groups, it is the group itself. On CPU there is no communicator.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group() "
                                "first (one process per GPU; NCCL on CUDA, gloo on CPU)")
-        backends = dict(pair.split(":", 1) for pair in dist.get_backend_config().split(",") if ":" in pair)
+        world = group is None or group is dist.group.WORLD
+        pg = dist.group.WORLD if world else group
+        if not world and dist.get_rank(pg) < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process group {pg.group_name!r}")
+        config = dist.get_backend_config(pg)
+        backends = dict(pair.split(":", 1) for pair in config.split(",") if ":" in pair)
         if device is None:
             use_cuda = torch.cuda.is_available() and backends.get("cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -92,19 +105,23 @@ class RankContext:
         if want is None:
             raise ValueError(f"commweave runs on CUDA GPUs or the CPU, not {device}")
         if backends.get(device.type) != want:
-            raise ValueError(f"{device.type} tensors need the default process group to use {want} for {device.type} "
-                             f"(its backends are {dist.get_backend_config()!r})")
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        cpu_group = dist.new_group(backend="gloo")
-        comm = None
+            raise ValueError(f"{device.type} tensors need the process group to use {want} for {device.type} "
+                             f"(its backends are {config!r})")
+        rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
+        cpu_group = dist.new_group(backend="gloo") if world else pg
+        comm, owned = None, True
         if device.type == "cuda":
             from commweave.runtime import nccl
 
-            uid = [nccl.unique_id() if rank == 0 else None]
-            dist.broadcast_object_list(uid, src=0, group=cpu_group)
             with torch.cuda.device(device):  # ncclCommInitRank binds the current device
-                comm = nccl.Communicator.init_rank(uid[0], rank, world_size)
-        return cls(rank, world_size, device, comm, cpu_group)
+                borrowed = _torch_comm(pg, device) if torch_comm else None
+                if borrowed is not None:
+                    comm, owned = nccl.Communicator(borrowed, rank, world_size), False
+                else:
+                    uid = [nccl.unique_id() if rank == 0 else None]
+                    dist.broadcast_object_list(uid, group_src=0, group=cpu_group)
+                    comm = nccl.Communicator.init_rank(uid[0], rank, world_size)
+        return cls(rank, world_size, device, comm, cpu_group, None if world else pg, owned)
 
     # -- basics ---------------------------------------------------------------------------------
     @property
@@ -113,12 +130,13 @@ class RankContext:
 
     @property
     def group(self) -> Any:
-        """torch.distributed's default group (NCCL on GPUs, gloo on CPU), for host baselines."""
-        return dist.group.WORLD
+        """torch.distributed's group this context spans (NCCL on GPUs, gloo on CPU), for host
+        baselines; `rank` and `world_size` are this rank's place in it."""
+        return dist.group.WORLD if self._group is None else self._group
 
     @property
     def group_name(self) -> str:
-        return dist.group.WORLD.group_name
+        return self.group.group_name
 
     def _require_device_api(self, what: str) -> Communicator:
         if self.comm is None:
@@ -292,5 +310,23 @@ class RankContext:
         self.end_candidate()
         if self.comm is not None:
             self._release_free_windows()
-            self.comm.destroy()
+            if self._owns_comm:
+                self.comm.destroy()
+            else:  # torch's communicator: only what we created on it goes
+                for dc in list(self.comm._dev_comms):
+                    self.comm.destroy_dev_comm(dc)
             self.comm = None
+
+
+def _torch_comm(group: Any, device: torch.device) -> int | None:
+    """The raw `ncclComm_t` of torch's NCCL backend of `group` on `device`, or None where this torch
+    build does not expose it. A collective on the group first: torch creates communicators lazily."""
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:
+        return None
+    comm_ptr = getattr(backend, "_comm_ptr", None)
+    if comm_ptr is None:
+        return None
+    dist.barrier(group=group, device_ids=[device.index])
+    return int(comm_ptr()) or None

@@ -2,7 +2,9 @@
 
 A graph bakes in the addresses it was captured with, so calls are cached by their tensors'
 addresses, shapes and dtypes. The very first call runs eagerly: cuBLAS, flash attention and
-friends create handles and workspaces on first use, which a capture forbids.
+friends create handles and workspaces on first use, which a capture forbids. Inside a caller's own
+capture (a model captured whole, with the program's call in it) the call is simply issued, so it
+is recorded into the caller's graph: captures cannot nest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class CallGraphs:
         return len(self._graphs)
 
     def __call__(self, call: Callable[[], None], tensors: Iterable[torch.Tensor]) -> None:
+        if self._warm and torch.cuda.is_current_stream_capturing():
+            call()
+            return
         if not self._warm:
             self._warm = True
             call()

@@ -30,6 +30,7 @@ class AllReduceRMSNorm(Workload):
     world_sizes = (1, 2, 4)
     baselines = ("host",)
     seed = "host"  # no device-initiated program yet
+    op_inputs = ("x", "g")
 
     def make_shape(self, tokens: int, hidden: int) -> Shape:
         return Shape(f"{tokens}x{hidden}", {"T": tokens, "H": hidden})
@@ -64,6 +65,11 @@ class AllReduceRMSNorm(Workload):
         t, h = shape["T"], shape["H"]
         return Cost(flops=0.0, comm_bytes=4.0 * 2 * (world_size - 1) / world_size * t * h,
                     memory_bytes=4.0 * (3 * t * h + h))
+
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """One rank holds the whole sum."""
+        return rmsnorm(inputs["x"], inputs["g"])
 
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None, **options: Any) -> Shape:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from commweave.workloads.attention_cp.attention import chunked_attention, shard_positions, shard_ranges, visible_pairs
 from commweave.contracts.workload import Cost, Shape, Workload, checked_tensor, input_names, seeded_generator
@@ -33,6 +35,7 @@ _CUCO = re.compile(r"^\s*cuco-s(\d+)-d(\d+)-(causal|full)\s*$")
 
 class AttentionCP(Workload):
     name = "attention-cp"
+    op_inputs = ("q", "k", "v")  # what a caller passes to the op
     summary = "out[S/W, Hq, D] = attention(q_local, K, V of the whole sequence), bf16, causal zigzag or full"
     dtype = torch.bfloat16
     world_sizes = (2, 4)
@@ -150,6 +153,23 @@ class AttentionCP(Workload):
         return 4.0 * visible_pairs(shape["S"], world_size, rank, bool(shape["CAUSAL"])) * shape["HQ"] * shape["D"]
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def op_options(self, shape: Shape) -> dict[str, Any]:
+        return {"causal": bool(shape["CAUSAL"])}
+
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """One rank holds the whole sequence: attention of q over k and v."""
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"q [S, Hq, D], k and v [S, Hkv, D] expected, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+        qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # [H, S, D]
+        res = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(options.get("causal", False)),
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return res.transpose(0, 1).contiguous()
+
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None, causal: bool = False) -> Shape:
         """q [S/W, Hq, D], k and v [S/W, Hkv, D], bf16, one device, sequence-major: this rank's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ _LLAMA = re.compile(r"^\s*llama70b-M(-?\d+)\s*$")
 
 class GemmAllGather(Workload):
     name = "gemm-allgather"
+    op_inputs = ("a", "b")  # what a caller passes to the op
     summary = "out[M, N/W] = all_gather(A rows)[M, K] @ B[K, N/W], bf16"
     dtype = torch.bfloat16
     world_sizes = (2, 4)
@@ -102,6 +104,16 @@ class GemmAllGather(Workload):
         return GemmAllGatherTemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """One rank holds all of A and B: the product."""
+        a, b = inputs["a"], inputs["b"]
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        if a.shape[1] != b.shape[0]:
+            raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")
+        return a @ b
+
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None) -> Shape:
         """a [M/W, K] (this rank's rows of A) and b [K, N/W] (its columns of B), bf16, one device."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ _LLAMA = re.compile(r"^\s*llama70b-M(-?\d+)\s*$")
 
 class GemmReduceScatter(Workload):
     name = "gemm-reducescatter"
+    op_inputs = ("a", "b")  # what a caller passes to the op
     summary = "out[M/W, N] = reduce_scatter(A[M, K/W] @ B[K/W, N]) over rows, bf16"
     dtype = torch.bfloat16
     world_sizes = (1, 2, 4, 8)
@@ -113,6 +115,16 @@ class GemmReduceScatter(Workload):
         return GemmReduceScatterTemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """One rank holds all of K: the product, nothing to reduce."""
+        a, b = inputs["a"], inputs["b"]
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        if a.shape[1] != b.shape[0]:
+            raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")
+        return a @ b
+
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None) -> Shape:
         """a [M, K/W] (this rank's columns of A) and b [K/W, N] (its rows of B), bf16, one device."""

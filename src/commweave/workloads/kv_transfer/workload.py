@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -61,6 +62,7 @@ def pair_of(rank: int) -> tuple[int, int, bool]:
 
 class KvTransfer(Workload):
     name = "kv-transfer"
+    op_inputs = ("kv", "src_blocks", "dst_blocks")  # what a caller passes to the op
     summary = "prefill GPU -> decode GPU paged KV-cache transfer (Llama-3-8B, 16-token pages), bf16"
     dtype = torch.bfloat16
     world_sizes = (2, 4)
@@ -231,6 +233,24 @@ class KvTransfer(Workload):
         return KvTransferTemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """One rank is both ends: kv goes into its pages src_blocks, and the same pages into dst_blocks."""
+        kv, src, dst = inputs.get("kv"), inputs["src_blocks"], inputs["dst_blocks"]
+        if out is None or kv is None:
+            raise ValueError("on one rank transfer_kv is both source and destination: pass kv and the cache")
+        layers, two, tokens, heads, dim = kv.shape
+        block = out.shape[3]
+        if src.numel() != dst.numel() or -(-tokens // block) != src.numel():
+            raise ValueError(f"kv holds {tokens} tokens ({-(-tokens // block)} pages of {block}), the block tables name "
+                             f"{src.numel()} and {dst.numel()} pages")
+        pages = kv.new_zeros(layers, two, src.numel() * block, heads, dim)
+        pages[:, :, :tokens] = kv
+        pages = pages.view(layers, two, src.numel(), block, heads, dim)
+        out[:, :, src] = pages
+        out[:, :, dst] = pages
+        return out
+
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None) -> Shape:
         """Both ranks of a pair: src_blocks and dst_blocks, int64 [nb] (the same tables on both),

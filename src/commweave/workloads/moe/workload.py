@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ _GENERIC = re.compile(r"^\s*T(-?\d+)-H(-?\d+)-I(-?\d+)-E(-?\d+)-k(-?\d+)-g(-?\d+
 
 class MoELayer(Workload):
     name = "moe"
+    op_inputs = ("x", "topk_idx", "topk_weights", "w13", "w2")  # what a caller passes to the op
     summary = "DeepSeek-V3 MoE layer, expert parallel: dispatch, SwiGLU experts, combine (bf16)"
     dtype = torch.bfloat16
     world_sizes = (2, 4)
@@ -176,6 +178,31 @@ class MoELayer(Workload):
         return MoETemplate(self)
 
     # -- calls on a user's tensors (commweave.ops) ---------------------------------------------
+    def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
+                    **options: Any) -> torch.Tensor:
+        """Every expert is local: rows sorted by expert, two grouped GEMMs (no host synchronization,
+        so a caller's CUDA graph can hold it), the weighted sum back per token."""
+        x, idx, weights, w13, w2 = (inputs[n] for n in ("x", "topk_idx", "topk_weights", "w13", "w2"))
+        tokens, top_k = idx.shape
+        experts, inter = w13.shape[0], w13.shape[1] // 2
+        if x.dim() != 2 or w13.shape[2] != x.shape[1] or tuple(w2.shape) != (experts, x.shape[1], inter):
+            raise ValueError(f"x [T, H], w13 [E, 2I, H] and w2 [E, H, I] expected, got {tuple(x.shape)}, "
+                             f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+        if tuple(weights.shape) != (tokens, top_k) or x.shape[0] != tokens:
+            raise ValueError(f"topk_idx {tuple(idx.shape)} and topk_weights {tuple(weights.shape)} must both be [T, k] "
+                             f"with T = {x.shape[0]}")
+        flat = idx.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        ends = counts.cumsum(0).to(torch.int32)
+        rows = x.index_select(0, order // top_k)
+        gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=ends)
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        results = torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
+        per_pair = torch.empty_like(results).index_copy_(0, order, results)
+        summed = (per_pair.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(1)
+        return summed.to(x.dtype)
+
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None) -> Shape:
         """x [T, H] bf16, topk_idx [T, k] int64 (global expert ids), topk_weights [T, k] float32,

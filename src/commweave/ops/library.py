@@ -1,0 +1,296 @@
+"""The ops as `torch.library` custom ops in the `commweave` namespace: torch.compile sees each call
+as one opaque op with a fake (meta) implementation, so `fullgraph=True` compiles without graph
+breaks; autograd where a backward exists (the tensor-parallel pair); the group travels by name.
+
+    torch.ops.commweave.gemm_allgather(a, b, group, program)           -> [M, N/W]
+    torch.ops.commweave.gemm_reducescatter(a, b, group, program)       -> [M/W, N]
+    torch.ops.commweave.context_parallel_attention(q, k, v, causal, group, program)
+    torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group, program)
+    torch.ops.commweave.transfer_kv(kv, src_blocks, dst_blocks, cache!, group, program) (cache written)
+    torch.ops.commweave.call(workload, program, group, names, inputs, options) / call_out(..., out!)
+
+`group` is a process group's name ("" for a single process); `program` None for the workload's
+seed. With W = 1 every op computes locally with no communication (its workload's
+`single_rank`; a named program is still looked up, so a wrong name fails alike on any W); with W >= 2 the
+real implementation runs the workload's program through `runner.Op` (setup per shape,
+collectives), opaque to dynamo.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from commweave.ops import runner
+from commweave.ops.groups import group_rank, group_size, process_group
+
+GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it is registered
+
+
+# -- collectives of the torch paths (functional: traceable inside compiled backward graphs) --------
+def _all_gather_rows(t: Tensor, group: str, wait: bool = True) -> Tensor:
+    """Every rank's `t` stacked along dim 0, in rank order (itself on one rank). `wait=False`
+    returns the collective's pending result: pass it to `_waited` once the work to overlap with it
+    is queued."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), world, group)
+    return _waited(gathered, group) if wait else gathered
+
+
+def _waited(t: Tensor, group: str) -> Tensor:
+    return t if group_size(group) == 1 else torch.ops._c10d_functional.wait_tensor(t)
+
+
+# -- shape checks of the GEMM ops' fakes ----------------------------------------------------------
+def _check_gemm(a: Tensor, b: Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")
+
+
+@functools.cache
+def _registered(workload: str) -> bool:
+    from commweave.workloads import registry
+
+    return workload in registry()
+
+
+# -- gemm_allgather: out [M, N/W] = all_gather(a) @ b ---------------------------------------------
+@torch.library.custom_op("commweave::gemm_allgather", mutates_args=())
+def gemm_allgather(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    op = runner.op("gemm-allgather", program)
+    if group_size(group) == 1:
+        return op.workload.single_rank({"a": a, "b": b})
+    return op.run(group, {"a": a, "b": b})
+
+
+@gemm_allgather.register_fake
+def _(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    _check_gemm(a, b)
+    return a.new_empty(a.shape[0] * group_size(group), b.shape[1])
+
+
+def _save_ab(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    a, b, group, _ = inputs
+    ctx.group = group
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_allgather_backward(ctx: Any, grad: Tensor) -> tuple:
+    """grad_a = reduce_scatter(grad @ b^T) (the GEMM+RS op); grad_b = all_gather(a)^T @ grad, A
+    gathered again here (as Megatron's sequence parallelism does: no [M, K] kept from forward),
+    the gather started first so it overlaps grad_a's op."""
+    a, b = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_a = grad_b = None
+    pending = _all_gather_rows(a, ctx.group, wait=False) if ctx.needs_input_grad[1] else None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t().contiguous(), ctx.group, None)
+    if pending is not None:
+        grad_b = _waited(pending, ctx.group).t() @ grad
+    return grad_a, grad_b, None, None
+
+
+gemm_allgather.register_autograd(_gemm_allgather_backward, setup_context=_save_ab)
+
+
+# -- gemm_reducescatter: out [M/W, N] = reduce_scatter(a @ b) over rows ---------------------------
+_rs_warned: list[bool] = []
+
+
+@torch.library.custom_op("commweave::gemm_reducescatter", mutates_args=())
+def gemm_reducescatter(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    world = group_size(group)
+    if _registered(GEMM_RS):
+        op = runner.op(GEMM_RS, program)
+        return op.workload.single_rank({"a": a, "b": b}) if world == 1 else op.run(group, {"a": a, "b": b})
+    if program is not None:
+        raise ValueError(f"program {program!r} is for workload {GEMM_RS!r}, which is not registered in this install")
+    _check_gemm(a, b)
+    if world == 1:
+        return a @ b
+    if a.shape[0] % world:
+        raise ValueError(f"a has {a.shape[0]} rows, not divisible by the group's {world} ranks (each gets M/W rows)")
+    if not _rs_warned:
+        _rs_warned.append(True)
+        warnings.warn(f"commweave.ops: no workload {GEMM_RS!r} is registered; gemm_reducescatter runs torch.matmul "
+                      "and NCCL's reduce-scatter (no overlap)", RuntimeWarning, stacklevel=2)
+    out = a.new_empty(a.shape[0] // world, b.shape[1])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (torch 2.11: old name)
+    scatter(out, a @ b, group=process_group(group))
+    return out
+
+
+@gemm_reducescatter.register_fake
+def _(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
+    _check_gemm(a, b)
+    world = group_size(group)
+    torch._check(a.shape[0] % world == 0, lambda: f"a's rows are not divisible by the group's {world} ranks")
+    return a.new_empty(a.shape[0] // world, b.shape[1])
+
+
+def _gemm_reducescatter_backward(ctx: Any, grad: Tensor) -> tuple:
+    """grad_a = all_gather(grad) @ b^T (the GEMM+AG op when b needs no gradient); grad_b =
+    a^T @ all_gather(grad), the gathered gradient shared by both."""
+    a, b = ctx.saved_tensors
+    grad = grad.contiguous()
+    if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
+        return torch.ops.commweave.gemm_allgather(grad, b.t().contiguous(), ctx.group, None), None, None, None
+    gathered = _all_gather_rows(grad, ctx.group)
+    grad_a = gathered @ b.t() if ctx.needs_input_grad[0] else None
+    return grad_a, a.t() @ gathered, None, None
+
+
+gemm_reducescatter.register_autograd(_gemm_reducescatter_backward, setup_context=_save_ab)
+
+
+# -- the ops without a backward -------------------------------------------------------------------
+def no_backward(name: str, tensors: dict[str, Any]) -> None:
+    """A RuntimeError naming what is missing when a call would need a gradient this op lacks."""
+    needing = [n for n, t in tensors.items() if isinstance(t, Tensor) and t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        raise RuntimeError(f"commweave.ops.{name} has no backward yet, and {', '.join(needing)} require grad: call it "
+                           "under torch.no_grad() or with detached tensors (gemm_allgather and gemm_reducescatter "
+                           "have backward)")
+
+
+def _raise_no_backward(name: str) -> Callable[..., tuple]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple:
+        raise RuntimeError(f"commweave.ops.{name} has no backward yet (gemm_allgather and gemm_reducescatter have one)")
+    return backward
+
+
+@torch.library.custom_op("commweave::context_parallel_attention", mutates_args=())
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str,
+                               program: Optional[str]) -> Tensor:
+    op = runner.op("attention-cp", program)
+    if group_size(group) == 1:
+        return op.workload.single_rank({"q": q, "k": k, "v": v}, causal=causal)
+    return op.run(group, {"q": q, "k": k, "v": v}, causal=causal)
+
+
+@context_parallel_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str, program: Optional[str]) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("commweave::moe_layer", mutates_args=())
+def moe_layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, group: str,
+              program: Optional[str]) -> Tensor:
+    op = runner.op("moe", program)
+    inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
+    return op.workload.single_rank(inputs) if group_size(group) == 1 else op.run(group, inputs)
+
+
+@moe_layer.register_fake
+def _(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, group: str,
+      program: Optional[str]) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("commweave::transfer_kv", mutates_args=("cache",))
+def transfer_kv(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tensor, group: str,
+                program: Optional[str]) -> None:
+    op = runner.op("kv-transfer", program)
+    inputs = {"kv": kv, "src_blocks": src_blocks, "dst_blocks": dst_blocks}
+    if group_size(group) == 1:
+        op.workload.single_rank(inputs, cache)
+    else:
+        op.run(group, inputs, out=cache)
+
+
+@transfer_kv.register_fake
+def _(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tensor, group: str,
+      program: Optional[str]) -> None:
+    return None
+
+
+for _op, _name in ((context_parallel_attention, "context_parallel_attention"), (moe_layer, "moe_layer")):
+    _op.register_autograd(_raise_no_backward(_name))
+
+
+# -- any workload's program: Op objects (`commweave.ops.op(name)`, `load(path)`) ----------------
+def _named(names: str, inputs: list[Optional[Tensor]]) -> dict[str, Tensor | None]:
+    return dict(zip(names.split(","), inputs))
+
+
+def _options(encoded: str) -> dict[str, Any]:
+    """The options `call_workload` encoded as "name=repr,..." (Python literals: bools, numbers,
+    strings; a format dynamo traces, which JSON is not)."""
+    pairs = (item.split("=", 1) for item in encoded.split(",") if item)
+    return {name: ast.literal_eval(value) for name, value in pairs}
+
+
+@torch.library.custom_op("commweave::call", mutates_args=())
+def call(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+         options: str) -> Tensor:
+    op = runner.op(workload, program)
+    if group_size(group) == 1:
+        return op.workload.single_rank(_named(names, inputs), **_options(options))
+    return op.run(group, _named(names, inputs), None, **_options(options))
+
+
+@call.register_fake
+def _(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+      options: str) -> Tensor:
+    op, named, opts = runner.op(workload, program), _named(names, inputs), _options(options)
+    world = group_size(group)
+    if world == 1:
+        return op.workload.single_rank(named, **opts)
+    rank = group_rank(group)
+    shape = op.shape(named, world, rank, None, opts)
+    like = op.workload.make_output(shape, world, rank, torch.device("meta"))
+    first = next(t for t in named.values() if t is not None)
+    return first.new_empty(like.shape, dtype=like.dtype)
+
+
+@torch.library.custom_op("commweave::call_out", mutates_args=("out",))
+def call_out(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+             options: str, out: Tensor) -> None:
+    op = runner.op(workload, program)
+    if group_size(group) == 1:
+        op.workload.single_rank(_named(names, inputs), out, **_options(options))
+    else:
+        op.run(group, _named(names, inputs), out, **_options(options))
+
+
+@call_out.register_fake
+def _(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
+      options: str, out: Tensor) -> None:
+    return None
+
+
+def call_workload(op: runner.Op, inputs: dict[str, Any], out: Tensor | None, group: str,
+                  options: dict[str, Any]) -> Tensor:
+    """`op(**inputs)` through the generic custom op: tensors in the workload's order, options as
+    one string (what a custom op's schema can carry)."""
+    order = op.input_order(inputs)
+    unknown = sorted(set(inputs) - set(order))
+    if unknown:
+        raise ValueError(f"unexpected input {', '.join(unknown)} for {op.workload.name} (expects {', '.join(order)})")
+    for name, value in inputs.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
+    if out is not None and not isinstance(out, Tensor):
+        raise ValueError(f"the output must be a torch.Tensor, not {type(out).__name__}")
+    no_backward(f"op({op.workload.name!r})", {**inputs, "out": out})
+    tensors = [inputs.get(n) for n in order]
+    encoded = ",".join(f"{k}={options[k]!r}" for k in sorted(options))
+    if out is None:
+        return torch.ops.commweave.call(op.workload.name, op.spec, group, ",".join(order), tensors, encoded)
+    torch.ops.commweave.call_out(op.workload.name, op.spec, group, ",".join(order), tensors, encoded, out)
+    return out
+
+
+__all__ = ["call_workload", "no_backward"]
