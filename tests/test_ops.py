@@ -54,15 +54,7 @@ def cpu_pool4():
         yield pool
 
 
-#: host baselines that address peers by their rank in the group where torch wants a global rank
-#: (`dist.send(t, dst, group=)`, `P2POp(op, t, peer, group=)`): they fail on any group but the
-#: default one until they pass `group_dst=` / `group_src=` / `group_peer=` instead
-GLOBAL_PEERS = {"attention-cp", "kv-transfer"}
-
-
-@pytest.mark.parametrize("workload", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="its host baseline sends to group ranks as global ranks"))
-    if name in GLOBAL_PEERS else name for name in sorted(registry())])
+@pytest.mark.parametrize("workload", sorted(registry()))
 def test_ops_over_two_pairs_of_ranks(cpu_pool4: WorkerPool, workload: str) -> None:
     """Four ranks, two groups {0, 1} and {2, 3}, each pair its own W = 2 call (and context)."""
     wl = get_workload(workload)

@@ -68,8 +68,8 @@ def run(ctx, state, inputs, out):
         reqs = []
         if step < world - 1:
             nxt = state["kv"][(step + 1) % 2]
-            ops = [dist.P2POp(dist.isend, cur, (rank + 1) % world, group=ctx.group),
-                   dist.P2POp(dist.irecv, nxt, (rank - 1) % world, group=ctx.group)]
+            ops = [dist.P2POp(dist.isend, cur, group=ctx.group, group_peer=(rank + 1) % world),
+                   dist.P2POp(dist.irecv, nxt, group=ctx.group, group_peer=(rank - 1) % world)]
             if comm is not None:
                 # cur is filled and nxt no longer read (last step's attention) on the current stream.
                 comm.wait_stream(torch.cuda.current_stream(ctx.device))

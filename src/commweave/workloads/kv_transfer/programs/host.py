@@ -29,8 +29,8 @@ def run(ctx, state, inputs, out):
         for layer in range(out.shape[0]):
             state["prefill"].layer(inputs, out, layer)
         torch.index_select(out, 2, inputs["src_blocks"], out=state["staging"])
-        dist.send(state["staging"], state["dst"], group=ctx.group)
+        dist.send(state["staging"], group=ctx.group, group_dst=state["dst"])
     else:
-        dist.recv(state["staging"], state["src"], group=ctx.group)
+        dist.recv(state["staging"], group=ctx.group, group_src=state["src"])
         out.index_copy_(2, inputs["dst_blocks"], state["staging"])
 # EVOLVE-BLOCK-END

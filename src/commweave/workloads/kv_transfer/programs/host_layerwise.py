@@ -35,19 +35,19 @@ def run(ctx, state, inputs, out):
             state["prefill"].layer(inputs, out, layer)
             if comm is None:
                 torch.index_select(out[layer], 1, inputs["src_blocks"], out=staging[layer])
-                dist.send(staging[layer], state["dst"], group=ctx.group)
+                dist.send(staging[layer], group=ctx.group, group_dst=state["dst"])
                 continue
             comm.wait_stream(main)
             with torch.cuda.stream(comm):
                 torch.index_select(out[layer], 1, inputs["src_blocks"], out=staging[layer])
-                dist.send(staging[layer], state["dst"], group=ctx.group)
+                dist.send(staging[layer], group=ctx.group, group_dst=state["dst"])
         else:
             if comm is None:
-                dist.recv(staging[layer], state["src"], group=ctx.group)
+                dist.recv(staging[layer], group=ctx.group, group_src=state["src"])
                 out[layer].index_copy_(1, inputs["dst_blocks"], staging[layer])
                 continue
             with torch.cuda.stream(comm):
-                dist.recv(staging[layer], state["src"], group=ctx.group)
+                dist.recv(staging[layer], group=ctx.group, group_src=state["src"])
             main.wait_stream(comm)
             out[layer].index_copy_(1, inputs["dst_blocks"], staging[layer])
     if comm is not None:

@@ -28,7 +28,7 @@ def run(ctx, state, inputs, out):
     else:
         blocks, op, peer = inputs["dst_blocks"].tolist(), dist.irecv, state["src"]
     for layer in range(out.shape[0]):
-        ops = [dist.P2POp(op, out[layer, half, block], peer, group=ctx.group) for half in range(2) for block in blocks]
+        ops = [dist.P2POp(op, out[layer, half, block], group=ctx.group, group_peer=peer) for half in range(2) for block in blocks]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 # EVOLVE-BLOCK-END
