@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from commweave.ops import library
 from commweave.ops.exported import export_info
 from commweave.ops.groups import GroupLike, group_name
+from commweave.ops import runner
 from commweave.ops.runner import Op, ProgramSpec, op
 
 
@@ -66,7 +66,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, not {causal!r}")
-    library.no_backward("context_parallel_attention", {"q": q, "k": k, "v": v})
+    runner.no_backward("context_parallel_attention", {"q": q, "k": k, "v": v})
     return torch.ops.commweave.context_parallel_attention(q, k, v, causal, group_name(group), _spec(program))
 
 
@@ -80,7 +80,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
     float32; w13 [E/W, 2I, H] bf16 (gate rows, then up rows) and w2 [E/W, H, I] bf16, this rank's
     experts r*E/W ... (r+1)*E/W - 1. Returns [T, H] bf16.
     """
-    library.no_backward("moe_layer", {"x": x, "topk_weights": topk_weights, "w13": w13, "w2": w2})
+    runner.no_backward("moe_layer", {"x": x, "topk_weights": topk_weights, "w13": w13, "w2": w2})
     return torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group_name(group), _spec(program))
 
 
@@ -101,7 +101,7 @@ def transfer_kv(kv: torch.Tensor | None, src_blocks: torch.Tensor, dst_blocks: t
     call the destination's page dst_blocks[i] holds the source's page src_blocks[i], bit for bit;
     no other block of either cache is written.
     """
-    library.no_backward("transfer_kv", {"kv": kv, "cache": cache})
+    runner.no_backward("transfer_kv", {"kv": kv, "cache": cache})
     torch.ops.commweave.transfer_kv(kv, src_blocks, dst_blocks, cache, group_name(group), _spec(program))
     return cache
 

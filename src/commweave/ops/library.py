@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from commweave.ops import runner
+from commweave.ops.runner import no_backward
 from commweave.ops.groups import group_rank, group_size, process_group
 
 GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it is registered
@@ -156,15 +157,6 @@ gemm_reducescatter.register_autograd(_gemm_reducescatter_backward, setup_context
 
 
 # -- the ops without a backward -------------------------------------------------------------------
-def no_backward(name: str, tensors: dict[str, Any]) -> None:
-    """A RuntimeError naming what is missing when a call would need a gradient this op lacks."""
-    needing = [n for n, t in tensors.items() if isinstance(t, Tensor) and t.requires_grad]
-    if needing and torch.is_grad_enabled():
-        raise RuntimeError(f"commweave.ops.{name} has no backward yet, and {', '.join(needing)} require grad: call it "
-                           "under torch.no_grad() or with detached tensors (gemm_allgather and gemm_reducescatter "
-                           "have backward)")
-
-
 def _raise_no_backward(name: str) -> Callable[..., tuple]:
     def backward(ctx: Any, *grads: Tensor) -> tuple:
         raise RuntimeError(f"commweave.ops.{name} has no backward yet (gemm_allgather and gemm_reducescatter have one)")
@@ -226,7 +218,7 @@ def _named(names: str, inputs: list[Optional[Tensor]]) -> dict[str, Tensor | Non
 
 
 def _options(encoded: str) -> dict[str, Any]:
-    """The options `call_workload` encoded as "name=repr,..." (Python literals: bools, numbers,
+    """The options `Op.__call__` encoded as "name=repr,..." (Python literals: bools, numbers,
     strings; a format dynamo traces, which JSON is not)."""
     pairs = (item.split("=", 1) for item in encoded.split(",") if item)
     return {name: ast.literal_eval(value) for name, value in pairs}
@@ -269,28 +261,3 @@ def call_out(workload: str, program: Optional[str], group: str, names: str, inpu
 def _(workload: str, program: Optional[str], group: str, names: str, inputs: list[Optional[Tensor]],
       options: str, out: Tensor) -> None:
     return None
-
-
-def call_workload(op: runner.Op, inputs: dict[str, Any], out: Tensor | None, group: str,
-                  options: dict[str, Any]) -> Tensor:
-    """`op(**inputs)` through the generic custom op: tensors in the workload's order, options as
-    one string (what a custom op's schema can carry)."""
-    order = op.input_order(inputs)
-    unknown = sorted(set(inputs) - set(order))
-    if unknown:
-        raise ValueError(f"unexpected input {', '.join(unknown)} for {op.workload.name} (expects {', '.join(order)})")
-    for name, value in inputs.items():
-        if value is not None and not isinstance(value, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
-    if out is not None and not isinstance(out, Tensor):
-        raise ValueError(f"the output must be a torch.Tensor, not {type(out).__name__}")
-    no_backward(f"op({op.workload.name!r})", {**inputs, "out": out})
-    tensors = [inputs.get(n) for n in order]
-    encoded = ",".join(f"{k}={options[k]!r}" for k in sorted(options))
-    if out is None:
-        return torch.ops.commweave.call(op.workload.name, op.spec, group, ",".join(order), tensors, encoded)
-    torch.ops.commweave.call_out(op.workload.name, op.spec, group, ",".join(order), tensors, encoded, out)
-    return out
-
-
-__all__ = ["call_workload", "no_backward"]

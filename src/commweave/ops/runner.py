@@ -124,11 +124,30 @@ class Op:
         return f"Op({self.workload.name!r}, program={self.program!r})"
 
     def __call__(self, out: torch.Tensor | None = None, group: GroupLike = None, **kwargs: Any) -> torch.Tensor:
-        from commweave.ops import library
-
         options = {k: v for k, v in kwargs.items() if k in self.options}
         inputs = {k: v for k, v in kwargs.items() if k not in self.options}
-        return library.call_workload(self, inputs, out, group_name(group), options)
+        return self._call_custom_op(inputs, out, group_name(group), options)
+
+    def _call_custom_op(self, inputs: dict[str, Any], out: torch.Tensor | None, group: str,
+                        options: dict[str, Any]) -> torch.Tensor:
+        """`op(**inputs)` through the generic custom op: tensors in the workload's order, options as
+        one string (what a custom op's schema can carry)."""
+        order = self.input_order(inputs)
+        unknown = sorted(set(inputs) - set(order))
+        if unknown:
+            raise ValueError(f"unexpected input {', '.join(unknown)} for {self.workload.name} (expects {', '.join(order)})")
+        for name, value in inputs.items():
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
+        if out is not None and not isinstance(out, torch.Tensor):
+            raise ValueError(f"the output must be a torch.Tensor, not {type(out).__name__}")
+        no_backward(f"op({self.workload.name!r})", {**inputs, "out": out})
+        tensors = [inputs.get(n) for n in order]
+        encoded = ",".join(f"{k}={options[k]!r}" for k in sorted(options))
+        if out is None:
+            return torch.ops.commweave.call(self.workload.name, self.spec, group, ",".join(order), tensors, encoded)
+        torch.ops.commweave.call_out(self.workload.name, self.spec, group, ",".join(order), tensors, encoded, out)
+        return out
 
     def input_order(self, inputs: dict[str, Any]) -> tuple[str, ...]:
         """The names of a call's tensors in the order the custom op carries them: the workload's
@@ -273,3 +292,12 @@ def _check_out(out: Any, expected: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"the output is on {out.device}, the inputs on {device}")
     if not out.is_contiguous():
         raise ValueError("the output must be contiguous (programs write it in place)")
+
+
+def no_backward(name: str, tensors: dict[str, Any]) -> None:
+    """A RuntimeError naming what is missing when a call would need a gradient this op lacks."""
+    needing = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        raise RuntimeError(f"commweave.ops.{name} has no backward yet, and {', '.join(needing)} require grad: call it "
+                           "under torch.no_grad() or with detached tensors (gemm_allgather and gemm_reducescatter "
+                           "have backward)")
