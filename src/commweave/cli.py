@@ -13,7 +13,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -22,6 +21,9 @@ from typer.core import TyperGroup
 
 from commweave.runtime.pool import apply_safe_env
 from commweave.report.results import RESULTS_DIR
+
+# the click that typer's commands are made of: its own copy (typer >= 0.26) or the click package
+_click_errors = sys.modules[TyperGroup.__mro__[1].__module__.rsplit(".", 1)[0] + ".exceptions"]
 
 
 class _OneLineErrors(TyperGroup):
@@ -33,14 +35,14 @@ class _OneLineErrors(TyperGroup):
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
-        except click.exceptions.NoArgsIsHelpError as exc:
-            click.echo(exc.format_message())
-            sys.exit(exc.exit_code)
-        except click.ClickException as exc:
-            hint = f" (see {exc.ctx.command_path} --help)" if isinstance(exc, click.UsageError) and exc.ctx else ""
+        except _click_errors.ClickException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: the help, as click prints it
+                typer.echo(exc.format_message())
+                sys.exit(exc.exit_code)
+            hint = f" (see {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) else ""
             _say_error(" ".join(exc.format_message().split()) + hint)
             sys.exit(exc.exit_code)
-        except click.Abort:
+        except typer.Abort:
             _say_error("aborted")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
@@ -171,15 +173,16 @@ def list_workloads() -> None:
     """Workloads, their programs and default shapes."""
     from commweave.workloads import registry
 
-    table = Table(title="workloads")
+    table = Table(title="workloads", show_lines=True)
     table.add_column("name", no_wrap=True)  # a name is what a user types: never cut
-    for col in ("summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
-        table.add_column(col)
+    table.add_column("GPUs", no_wrap=True)
+    table.add_column("what it computes; its programs (baselines; seed); bench shapes", overflow="fold")
     for name, wl in registry().items():
-        programs = f"{', '.join(wl.baselines)}; {wl.seed}"
         labels = [s.label for s in wl.bench_shapes(max(wl.world_sizes))]
         shapes = ", ".join(labels[:6]) + (f", … ({len(labels)} in all)" if len(labels) > 6 else "")
-        table.add_row(name, wl.summary, ", ".join(map(str, wl.world_sizes)), programs, shapes)
+        table.add_row(name, ", ".join(map(str, wl.world_sizes)),
+                      f"{wl.summary}\nprograms: {', '.join(wl.baselines)}; {wl.seed}\n"
+                      f"shapes ({max(wl.world_sizes)} GPUs): {shapes}")
     console.print(table)
 
 

@@ -61,7 +61,7 @@ def island_curves(programs: list[ProgramRecord], migrations: list[dict[str, Any]
     return curves
 
 
-def _plot_islands(curves: dict[int, list[tuple[int, float]]], path: Path) -> str:
+def _plot_islands(curves: dict[int, list[tuple[int, float]]], path: Path, note: str) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for island, curve in curves.items():
@@ -70,12 +70,12 @@ def _plot_islands(curves: dict[int, list[tuple[int, float]]], path: Path) -> str
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("generation")
     ax.set_ylabel("best speedup over the baseline")
-    ax.set_title("best speedup per island")
+    ax.set_title("best speedup per island" + note)
     ax.legend()
     return _save(fig, path)
 
 
-def _plot_evaluations(programs: list[ProgramRecord], path: Path) -> str:
+def _plot_evaluations(programs: list[ProgramRecord], path: Path, note: str) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     ok = [(i, p.fitness) for i, p in enumerate(programs, 1) if p.ok]
@@ -91,18 +91,18 @@ def _plot_evaluations(programs: list[ProgramRecord], path: Path) -> str:
     ax.plot(range(1, len(programs) + 1), running, color="black", lw=1, label="best so far")
     ax.set_xlabel("evaluation")
     ax.set_ylabel("speedup over the baseline")
-    ax.set_title("every evaluation")
+    ax.set_title("every evaluation" + note)
     ax.legend()
     return _save(fig, path)
 
 
-def _plot_failures(counts: Counter, path: Path) -> str:
+def _plot_failures(counts: Counter, path: Path, note: str) -> str:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = plt.subplots(figsize=(6, 1 + 0.35 * len(counts)))  # bars of one height, however many classes
     names = sorted(counts, key=lambda k: -counts[k])
     ax.barh(names, [counts[n] for n in names], color="tab:red")
     ax.set_xlabel("programs")
-    ax.set_title("failures by class")
+    ax.set_title("failures by class" + note)
     return _save(fig, path)
 
 
@@ -130,7 +130,7 @@ def _changed(child: ProgramRecord, parent: ProgramRecord | None) -> str:
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:90%}
 th{background:#f3f3f3}pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:80%}img{max-width:100%}
-.simulated{background:#fff3cd;border:1px solid #e0c060;padding:.5em 1em}"""
+.notice{background:#fff3cd;border:1px solid #e0c060;padding:.5em 1em}"""
 
 
 def llm_rows(calls: list[dict[str, Any]], programs: list[ProgramRecord]) -> list[list[Any]]:
@@ -170,13 +170,14 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
     failures = Counter(p.failure for p in programs if not p.ok)
     simulated = bool(meta.get("simulated"))
     measured = "simulated" if simulated else "median"
+    note = " (simulated)" if simulated else ""
 
     images = {
-        "islands": _plot_islands(island_curves(programs, migrations), out / "islands.png"),
-        "evaluations": _plot_evaluations(programs, out / "evaluations.png"),
+        "islands": _plot_islands(island_curves(programs, migrations), out / "islands.png", note),
+        "evaluations": _plot_evaluations(programs, out / "evaluations.png", note),
     }
     if failures:
-        images["failures"] = _plot_failures(failures, out / "failures.png")
+        images["failures"] = _plot_failures(failures, out / "failures.png", note)
 
     def img(name: str, alt: str) -> str:
         return f'<img alt="{alt}" src="data:image/png;base64,{images[name]}">'
@@ -197,20 +198,19 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
                 ["evaluator waiting for compiles", f"{_fmt(waited, '.1f')} s in all"],
                 ["proposer", meta.get("proposer")],
                 ["started", meta.get("started_at")], ["database", db_path]]
-    title = f"commweave run {db_path.stem}" + (" (simulated)" if simulated else "")
+    title = f"commweave run {db_path.stem}{note}"
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{CSS}</style></head><body>",
              f"<h1>{html.escape(title)}</h1>"]
     if simulated:
-        parts.append("<p class='simulated'>A simulated run: the evaluator scored each program's directive set on a "
+        parts.append("<p class='notice'>A simulated run: the evaluator scored each program's directive set on a "
                      "known fitness landscape instead of compiling and timing it on GPUs. The search, database, "
                      "report and export are the real ones; the numbers are not measurements.</p>")
     parts += [_table(None, [[html.escape(str(k)), html.escape(str(v))] for k, v in run_rows]),
               "<h2>Best speedup over generations</h2>", img("islands", "best speedup per island"),
               img("evaluations", "every evaluation")]
 
-    parts.append("<h2>Best program against the baselines and the floor" + (" (simulated)" if simulated else "")
-                 + "</h2>")
+    parts.append(f"<h2>Best program against the baselines and the floor{note}</h2>")
     if best is None:
         parts.append("<p>No program passed.</p>")
     else:
@@ -235,7 +235,7 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
                      + (f" of a {_fmt(meta['llm_budget_usd'], ',.2f')} $ budget" if meta.get("llm_budget_usd") else "")
                      + (f"; stopped: {html.escape(str(meta['stop_reason']))}" if meta.get("stop_reason") else "") + "</p>")
 
-    parts.append("<h2>Failures" + (" (simulated)" if simulated else "") + "</h2>")
+    parts.append(f"<h2>Failures{note}</h2>")
     if failures:
         examples = {}
         for p in programs:
@@ -249,7 +249,7 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
         parts.append("<p>None: every evaluated program passed.</p>")
 
     if best is not None:
-        parts.append(f"<h2>Best program (#{best.id}, island {best.island}, generation {best.generation})</h2>")
+        parts.append(f"<h2>Best program (#{best.id}, island {best.island}, generation {best.generation}){note}</h2>")
         if best.directives:
             flat = {k: v for k, v in best.directives.items() if k != "knobs"} | \
                    {f"knob {k}": v for k, v in (best.directives.get("knobs") or {}).items()}
