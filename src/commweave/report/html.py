@@ -101,6 +101,7 @@ def _plot_failures(counts: Counter, path: Path, note: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 1 + 0.35 * len(counts)))  # bars of one height, however many classes
     names = sorted(counts, key=lambda k: -counts[k])
     ax.barh(names, [counts[n] for n in names], color="tab:red")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # counts: no 0.25 ticks
     ax.set_xlabel("programs")
     ax.set_title("failures by class" + note)
     return _save(fig, path)
@@ -129,7 +130,7 @@ def _changed(child: ProgramRecord, parent: ProgramRecord | None) -> str:
 
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:90%}
-th{background:#f3f3f3}pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:80%}img{max-width:100%}
+th{background:#f3f3f3}summary{cursor:pointer;margin:1em 0}pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:80%}img{max-width:100%}
 .notice{background:#fff3cd;border:1px solid #e0c060;padding:.5em 1em}"""
 
 
@@ -195,7 +196,7 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
                 ["islands", meta.get("islands")], ["migrations", len(migrations)],
                 ["search time", f"{_fmt(meta.get('elapsed_s'), '.0f')} s"],
                 ["throughput", f"{_fmt(throughput, '.1f')} candidates / minute"],
-                ["evaluator waiting for compiles", f"{_fmt(waited, '.1f')} s in all"],
+                *([] if simulated else [["evaluator waiting for compiles", f"{_fmt(waited, '.1f')} s in all"]]),
                 ["proposer", meta.get("proposer")],
                 ["started", meta.get("started_at")], ["database", db_path]]
     title = f"commweave run {db_path.stem}{note}"
@@ -254,7 +255,8 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
             flat = {k: v for k, v in best.directives.items() if k != "knobs"} | \
                    {f"knob {k}": v for k, v in (best.directives.get("knobs") or {}).items()}
             parts.append(_table(["directive", "value"], [[html.escape(k), html.escape(repr(v))] for k, v in flat.items()]))
-        parts.append(f"<pre>{html.escape(best.code)}</pre>")
+        lines = best.code.count("\n") + 1  # folded: hundreds of lines would bury the lineage below
+        parts.append(f"<details><summary>program text ({lines} lines)</summary><pre>{html.escape(best.code)}</pre></details>")
         parts.append("<h2>Lineage</h2>")
         rows = []
         for rec in lineage:
