@@ -186,6 +186,74 @@ def list_workloads() -> None:
     console.print(table)
 
 
+def _demo_evaluator(template: Any, world_size: int, seed: int) -> Any:
+    """The demo's simulated evaluator, for any template: the optimum sits mid-range on every ordered
+    dimension (comm CTAs, chunk bytes, threads) of the seed's directive set; the most comm CTAs
+    time out and the smallest chunks fault, so the search meets failures as a real one does."""
+    from commweave.search.simulate import ORDERED, SimulatedEvaluator
+
+    values = template.dimension_values(world_size)
+    ordered = {dim: values[dim] for dim in ORDERED if len(values.get(dim, ())) > 1}
+    optimum = template.seed_directives().with_(**{dim: vals[len(vals) // 2] for dim, vals in ordered.items()})
+    rules = []
+    if "comm_ctas" in ordered:
+        rules.append(lambda ds: "timeout" if ds.get("comm_ctas") == ordered["comm_ctas"][-1] else None)
+    if "chunk_bytes" in ordered:
+        rules.append(lambda ds: "illegal_address" if ds.get("chunk_bytes") == ordered["chunk_bytes"][0] else None)
+    return SimulatedEvaluator(template, world_size, optimum, rules=rules, noise=0.01, seed=seed)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(None, "--out", help="folder for the run database, its report and the best program "
+                             "(default: runs/demo-<time>)"),
+    budget: int = typer.Option(150, "--budget", min=1, help="evaluations"),
+    workload: str = typer.Option("gemm-allgather", "--workload", help="a workload with a template (see `commweave list`)"),
+    gpus: int = typer.Option(4, "--gpus", min=1, help="the world size the simulated runs pretend to have"),
+    seed: int = typer.Option(0, "--seed", help="random seed of the search"),
+) -> None:
+    """Try commweave on any machine, GPUs or not: a whole search, its report and its best program.
+
+    The real search, database, report and export, with a simulated evaluator (a known fitness landscape over the workload's directive space)
+    instead of compiling and timing programs. Everything it writes says "simulated"."""
+    import datetime as dt
+    import time
+
+    from commweave.report.html import write_report
+    from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
+
+    if out is None:
+        out = Path("runs") / f"demo-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    try:
+        _check_writable(out, "--out", folder=True)
+        wl = _workload_named(workload)
+        wl.check_world_size(gpus)
+        template = wl.template()
+    except (KeyError, ValueError, LookupError) as exc:
+        _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))
+    path = out / "demo.sqlite"
+    if path.exists():
+        _fail(f"--out {out} already holds a demo run ({path}): give another folder")
+    shape = template.default_shape(gpus)
+    started = time.monotonic()
+    with console.status(f"simulated search: {budget} evaluations of {wl.name} programs at {shape}"), \
+            ProgramDB(path) as db:
+        search = Evolution(db, template, _demo_evaluator(template, gpus, seed), shape, gpus,
+                           Budget(evaluations=budget), SearchConfig(islands=4, seed=seed))
+        db.set_meta(simulated=True)
+        best = search.run()
+        count = db.count()
+    console.print(f"simulated search: {count} evaluations in {time.monotonic() - started:.1f} s; best "
+                  f"{best.fitness:.2f}x (simulated) over the simulated baseline" if best else
+                  f"simulated search: {count} evaluations, none correct", highlight=False)
+    console.print(f"run (simulated): {path}", highlight=False)
+    console.print(f"report (simulated): {write_report(path)}", highlight=False)
+    if best is not None:
+        console.print(_export_best(path, out / "best.py"), highlight=False)
+    console.print("Nothing here ran on a GPU. On a GPU machine: commweave bench WORKLOAD, then commweave evolve "
+                  "WORKLOAD.", highlight=False)
+
+
 @app.command()
 def bench(
     workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
@@ -276,8 +344,9 @@ def evolve(
     llm_islands: int = typer.Option(None, "--llm-islands", min=0, help="islands that propose with the LLM (default "
                                     "with --llm: half of --islands, at least 1)"),
 ) -> None:
-    """Search the workload's directive space and template knobs on this machine's GPUs. Offline
-    proposer by default; with --llm, some islands ask a model for code-level changes instead.
+    """Search the workload's directive space and template knobs on this machine's GPUs.
+
+    Offline proposer by default; with --llm, some islands ask a model for code-level changes instead.
     Every evaluated program (and every LLM call) goes to one SQLite file per run; --resume
     continues a run killed at any moment."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -398,8 +467,9 @@ def export(
     run: Path = typer.Argument(..., help="a run database written by `commweave evolve` or `commweave demo`"),
     out: Path = typer.Option(..., "--out", help="file to write the best program to"),
 ) -> None:
-    """Write a run's best program to a file: the program text (its directive set in the first
-    line) plus a line naming its workload, so it loads as a PyTorch op with
+    """Write a run's best program to a file, loadable as a PyTorch op.
+
+    The program text (its directive set in the first line) plus a line naming its workload, so it loads as a PyTorch op with
     `commweave.ops.load(FILE)`. Time it beside the baselines with
     `commweave bench WORKLOAD --candidate FILE`."""
     try:
@@ -408,73 +478,6 @@ def export(
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     console.print(said, highlight=False)
-
-
-def _demo_evaluator(template: Any, world_size: int, seed: int) -> Any:
-    """The demo's simulated evaluator, for any template: the optimum sits mid-range on every ordered
-    dimension (comm CTAs, chunk bytes, threads) of the seed's directive set; the most comm CTAs
-    time out and the smallest chunks fault, so the search meets failures as a real one does."""
-    from commweave.search.simulate import ORDERED, SimulatedEvaluator
-
-    values = template.dimension_values(world_size)
-    ordered = {dim: values[dim] for dim in ORDERED if len(values.get(dim, ())) > 1}
-    optimum = template.seed_directives().with_(**{dim: vals[len(vals) // 2] for dim, vals in ordered.items()})
-    rules = []
-    if "comm_ctas" in ordered:
-        rules.append(lambda ds: "timeout" if ds.get("comm_ctas") == ordered["comm_ctas"][-1] else None)
-    if "chunk_bytes" in ordered:
-        rules.append(lambda ds: "illegal_address" if ds.get("chunk_bytes") == ordered["chunk_bytes"][0] else None)
-    return SimulatedEvaluator(template, world_size, optimum, rules=rules, noise=0.01, seed=seed)
-
-
-@app.command()
-def demo(
-    out: Path = typer.Option(None, "--out", help="folder for the run database, its report and the best program "
-                             "(default: runs/demo-<time>)"),
-    budget: int = typer.Option(150, "--budget", min=1, help="evaluations"),
-    workload: str = typer.Option("gemm-allgather", "--workload", help="a workload with a template (see `commweave list`)"),
-    gpus: int = typer.Option(4, "--gpus", min=1, help="the world size the simulated runs pretend to have"),
-    seed: int = typer.Option(0, "--seed", help="random seed of the search"),
-) -> None:
-    """A whole search on any machine, GPUs or not: the real search, database, report and export,
-    with a simulated evaluator (a known fitness landscape over the workload's directive space)
-    instead of compiling and timing programs. Everything it writes says "simulated"."""
-    import datetime as dt
-    import time
-
-    from commweave.report.html import write_report
-    from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
-
-    if out is None:
-        out = Path("runs") / f"demo-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
-    try:
-        _check_writable(out, "--out", folder=True)
-        wl = _workload_named(workload)
-        wl.check_world_size(gpus)
-        template = wl.template()
-    except (KeyError, ValueError, LookupError) as exc:
-        _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))
-    path = out / "demo.sqlite"
-    if path.exists():
-        _fail(f"--out {out} already holds a demo run ({path}): give another folder")
-    shape = template.default_shape(gpus)
-    started = time.monotonic()
-    with console.status(f"simulated search: {budget} evaluations of {wl.name} programs at {shape}"), \
-            ProgramDB(path) as db:
-        search = Evolution(db, template, _demo_evaluator(template, gpus, seed), shape, gpus,
-                           Budget(evaluations=budget), SearchConfig(islands=4, seed=seed))
-        db.set_meta(simulated=True)
-        best = search.run()
-        count = db.count()
-    console.print(f"simulated search: {count} evaluations in {time.monotonic() - started:.1f} s; best "
-                  f"{best.fitness:.2f}x (simulated) over the simulated baseline" if best else
-                  f"simulated search: {count} evaluations, none correct", highlight=False)
-    console.print(f"run (simulated): {path}", highlight=False)
-    console.print(f"report (simulated): {write_report(path)}", highlight=False)
-    if best is not None:
-        console.print(_export_best(path, out / "best.py"), highlight=False)
-    console.print("Nothing here ran on a GPU. On a GPU machine: commweave bench WORKLOAD, then commweave evolve "
-                  "WORKLOAD.", highlight=False)
 
 
 # -- agents -----------------------------------------------------------------------------------------
@@ -519,8 +522,9 @@ def fast_path(
                                "(no device-initiated code can run there, so stage B may keep host calls)"),
     job_timeout: float = typer.Option(300.0, "--job-timeout", help="seconds before a hung candidate is killed"),
 ) -> None:
-    """Convert a host-driven program into a device-initiated one: stage A adds symmetric buffers,
-    windows and a device communicator while keeping the host collectives; stage B replaces them
+    """Convert a host-driven program into a device-initiated one.
+
+    Stage A adds symmetric buffers, windows and a device communicator while keeping the host collectives; stage B replaces them
     under the conservative directives. The cascade judges every attempt; an LLM judge diagnoses
     failures for the next attempt."""
     import datetime as dt
