@@ -107,6 +107,7 @@ OUTPUT_ERRORS = [
     (["export", "run.sqlite", "--out", "locked/best.py"], "--out", "is not writable"),
     (["export", "run.sqlite", "--out", "notes.txt/best.py"], "notes.txt is a file, not a folder"),
     (["export", "run.sqlite", "--out", "locked"], "is a folder, not a file"),
+    (["export", "run.sqlite", "--out", "./run.sqlite"], "is the run database itself"),
     (["evolve", "gemm-allgather", "--runs-dir", "notes.txt/runs"], "--runs-dir", "notes.txt is a file"),
     (["evolve", "gemm-allgather", "--runs-dir", "locked"], "--runs-dir", "is not writable"),
     (["bench", "gemm-allgather", "--out-dir", "notes.txt/results"], "--out-dir", "notes.txt is a file"),

@@ -473,6 +473,8 @@ def export(
     `commweave.ops.load(FILE)`. Time it beside the baselines with
     `commweave bench WORKLOAD --candidate FILE`."""
     try:
+        if out.resolve() == run.resolve():
+            raise ValueError(f"--out {out} is the run database itself")
         _check_writable(out, "--out")
         said = _export_best(run, out)
     except (FileNotFoundError, ValueError) as exc:
