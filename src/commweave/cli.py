@@ -469,8 +469,8 @@ def export(
 ) -> None:
     """Write a run's best program to a file, loadable as a PyTorch op.
 
-    The program text (its directive set in the first line) plus a line naming its workload, so it loads as a PyTorch op with
-    `commweave.ops.load(FILE)`. Time it beside the baselines with
+    The program text (its directive set in the first line) plus a line naming its workload, so it
+    loads as a PyTorch op with `commweave.ops.load(FILE)`. Time it beside the baselines with
     `commweave bench WORKLOAD --candidate FILE`."""
     try:
         if out.resolve() == run.resolve():
