@@ -1,7 +1,14 @@
-"""The `commweave` command: doctor, list, bench, evolve, report, export."""
+"""The `commweave` command: doctor, list, demo, bench, evolve, report, export, agent fast-path.
+
+Every user error (a bad argument, an unusable input file, an output path that cannot be written,
+too few GPUs) is one line on stderr and exit status 2, said before anything is written, started or
+paid for.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -10,11 +17,39 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from commweave.runtime.pool import apply_safe_env
 from commweave.report.results import RESULTS_DIR
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Co-design computation and communication on multi-GPU machines.")
+# the click that typer's commands are made of: its own copy (typer >= 0.26) or the click package
+_click_errors = sys.modules[TyperGroup.__mro__[1].__module__.rsplit(".", 1)[0] + ".exceptions"]
+
+
+class _OneLineErrors(TyperGroup):
+    """Click's usage errors (an unknown option, a value out of range) as one line on stderr and
+    exit 2, like every other user error, instead of a usage panel."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _click_errors.ClickException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # click >= 8.2: the help, as click prints it
+                typer.echo(exc.format_message())
+                sys.exit(exc.exit_code)
+            hint = f" (see {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) else ""
+            _say_error(" ".join(exc.format_message().split()) + hint)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            _say_error("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
+                  help="Co-design computation and communication on multi-GPU machines.")
 console = Console()
 
 
@@ -24,18 +59,77 @@ def _safe_environment() -> None:
     apply_safe_env()
 
 
+def _say_error(message: str) -> None:
+    """`error: message` on stderr, never wrapped (one line at any terminal width)."""
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def _fail(message: str, code: int = 2) -> None:
     """One clear line on stderr, then a non-zero exit."""
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    _say_error(message)
     raise typer.Exit(code)
 
 
-def _require_gpus(n: int, what: str) -> None:
+def _default_gpus(wl: Any, device: str = "cuda") -> int:
+    """A workload's world size for this machine: the largest it runs at with the GPUs present, else
+    its smallest (which `_require_gpus` then refuses, saying what can run instead). On CPU workers
+    (bench and fast-path --device cpu), its smallest."""
     from commweave.runtime.capabilities import cuda_device_count
 
+    fits = [w for w in wl.world_sizes if w <= cuda_device_count()] if device == "cuda" else []
+    return max(fits) if fits else min(wl.world_sizes)
+
+
+def _require_gpus(n: int, what: str, cpu_option: bool = False) -> None:
+    """Fail unless this machine has `n` CUDA GPUs, naming what can run here instead."""
+    from commweave.runtime.capabilities import cuda_device_count
+    from commweave.workloads import registry
+
     have = cuda_device_count()
-    if have < n:
-        _fail(f"{what} needs {n} CUDA GPUs; this machine has {have}.")
+    if have >= n:
+        return
+    instead = ["`commweave demo` (a simulated search, any machine)"]
+    if cpu_option:
+        instead.append("--device cpu (a dry run on CPU workers)")
+    fitting = sorted(name for name, wl in registry().items() if min(wl.world_sizes) <= have)
+    if fitting:
+        instead.append(f"a workload that runs on {have} GPU{'s' * (have != 1)} ({', '.join(fitting)})")
+    _fail(f"{what} needs {n} CUDA GPUs; this machine has {have}. Here you can run: {'; '.join(instead)}.")
+
+
+def _check_writable(path: Path, what: str, *, folder: bool = False) -> None:
+    """ValueError unless `path` (a file, or a `folder`, to be written, with any missing parent
+    folders) can be written: an existing path must be of that kind and writable, and its nearest
+    existing ancestor a writable folder. Called before any work, so a bad --out costs nothing."""
+    path = Path(path).absolute()
+    if path.exists():
+        if path.is_dir() != folder:
+            raise ValueError(f"{what} {path} is a {'file' if folder else 'folder'}, not a {'folder' if folder else 'file'}")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{what} {path} is not writable")
+        return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path} cannot be created: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path} cannot be created: folder {parent} is not writable")
+
+
+def _check_candidate(path: Path) -> str:
+    """The text of a program file given as --candidate: it exists and parses as a program (setup()
+    and run() defined, EVOLVE-BLOCK markers); else a ValueError naming the file."""
+    from commweave.contracts.program import parse_program
+
+    if not path.is_file():
+        raise ValueError(f"--candidate {path}: no such file")
+    try:
+        text = path.read_text()
+        parse_program(text)
+    except ValueError as exc:  # ProgramError, or UnicodeDecodeError for a binary file
+        raise ValueError(f"--candidate {path}: {exc}") from None
+    return text
 
 
 @app.command()
@@ -79,22 +173,91 @@ def list_workloads() -> None:
     """Workloads, their programs and default shapes."""
     from commweave.workloads import registry
 
-    table = Table(title="workloads")
+    table = Table(title="workloads", show_lines=True)
     table.add_column("name", no_wrap=True)  # a name is what a user types: never cut
-    for col in ("summary", "GPUs", "programs (baselines, seed)", "bench shapes (4 GPUs)"):
-        table.add_column(col)
+    table.add_column("GPUs", no_wrap=True)
+    table.add_column("what it computes; its programs (baselines; seed); bench shapes", overflow="fold")
     for name, wl in registry().items():
-        programs = f"{', '.join(wl.baselines)}; {wl.seed}"
         labels = [s.label for s in wl.bench_shapes(max(wl.world_sizes))]
         shapes = ", ".join(labels[:6]) + (f", … ({len(labels)} in all)" if len(labels) > 6 else "")
-        table.add_row(name, wl.summary, ", ".join(map(str, wl.world_sizes)), programs, shapes)
+        table.add_row(name, ", ".join(map(str, wl.world_sizes)),
+                      f"{wl.summary}\nprograms: {', '.join(wl.baselines)}; {wl.seed}\n"
+                      f"shapes ({max(wl.world_sizes)} GPUs): {shapes}")
     console.print(table)
+
+
+def _demo_evaluator(template: Any, world_size: int, seed: int) -> Any:
+    """The demo's simulated evaluator, for any template: the optimum sits mid-range on every ordered
+    dimension (comm CTAs, chunk bytes, threads) of the seed's directive set; the most comm CTAs
+    time out and the smallest chunks fault, so the search meets failures as a real one does."""
+    from commweave.search.simulate import ORDERED, SimulatedEvaluator
+
+    values = template.dimension_values(world_size)
+    ordered = {dim: values[dim] for dim in ORDERED if len(values.get(dim, ())) > 1}
+    optimum = template.seed_directives().with_(**{dim: vals[len(vals) // 2] for dim, vals in ordered.items()})
+    rules = []
+    if "comm_ctas" in ordered:
+        rules.append(lambda ds: "timeout" if ds.get("comm_ctas") == ordered["comm_ctas"][-1] else None)
+    if "chunk_bytes" in ordered:
+        rules.append(lambda ds: "illegal_address" if ds.get("chunk_bytes") == ordered["chunk_bytes"][0] else None)
+    return SimulatedEvaluator(template, world_size, optimum, rules=rules, noise=0.01, seed=seed)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(None, "--out", help="folder for the run database, its report and the best program "
+                             "(default: runs/demo-<time>)"),
+    budget: int = typer.Option(150, "--budget", min=1, help="evaluations"),
+    workload: str = typer.Option("gemm-allgather", "--workload", help="a workload with a template (see `commweave list`)"),
+    gpus: int = typer.Option(4, "--gpus", min=1, help="the world size the simulated runs pretend to have"),
+    seed: int = typer.Option(0, "--seed", help="random seed of the search"),
+) -> None:
+    """Try commweave on any machine, GPUs or not: a whole search, its report and its best program.
+
+    The real search, database, report and export, with a simulated evaluator (a known fitness landscape over the workload's directive space)
+    instead of compiling and timing programs. Everything it writes says "simulated"."""
+    import datetime as dt
+    import time
+
+    from commweave.report.html import write_report
+    from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
+
+    if out is None:
+        out = Path("runs") / f"demo-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    try:
+        _check_writable(out, "--out", folder=True)
+        wl = _workload_named(workload)
+        wl.check_world_size(gpus)
+        template = wl.template()
+    except (KeyError, ValueError, LookupError) as exc:
+        _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))
+    path = out / "demo.sqlite"
+    if path.exists():
+        _fail(f"--out {out} already holds a demo run ({path}): give another folder")
+    shape = template.default_shape(gpus)
+    started = time.monotonic()
+    with console.status(f"simulated search: {budget} evaluations of {wl.name} programs at {shape}"), \
+            ProgramDB(path) as db:
+        search = Evolution(db, template, _demo_evaluator(template, gpus, seed), shape, gpus,
+                           Budget(evaluations=budget), SearchConfig(islands=4, seed=seed))
+        db.set_meta(simulated=True)
+        best = search.run()
+        count = db.count()
+    console.print(f"simulated search: {count} evaluations in {time.monotonic() - started:.1f} s; best "
+                  f"{best.fitness:.2f}x (simulated) over the simulated baseline" if best else
+                  f"simulated search: {count} evaluations, none correct", highlight=False)
+    console.print(f"run (simulated): {path}", highlight=False)
+    console.print(f"report (simulated): {write_report(path)}", highlight=False)
+    if best is not None:
+        console.print(_export_best(path, out / "best.py"), highlight=False)
+    console.print("Nothing here ran on a GPU. On a GPU machine: commweave bench WORKLOAD, then commweave evolve "
+                  "WORKLOAD.", highlight=False)
 
 
 @app.command()
 def bench(
     workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
-    gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
+    gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs (one worker each; default: the most this machine and the workload allow)"),
     shapes: list[str] = typer.Option(None, "--shapes", help="shapes to time, comma-separated or repeated (default: the workload's bench shapes)"),
     candidate: Path = typer.Option(None, "--candidate", help="a program file to time as 'ours' instead of the seed"),
     iters: int = typer.Option(20, "--iters", min=20, help="timed iterations per program and shape"),
@@ -113,21 +276,21 @@ def bench(
     from commweave.report.results import write_results
     from commweave.runtime import PoolStartError, WorkerPool
 
+    if device not in ("cuda", "cpu"):
+        _fail(f"--device must be cuda or cpu, not {device!r}")
     try:
         wl = _workload_named(workload)
+        gpus = gpus or _default_gpus(wl, device)
         wl.check_world_size(gpus)
         texts = [t for item in shapes or [] for t in item.split(",") if t]
         chosen = [wl.parse_shape(text, gpus) for text in texts] if texts else wl.bench_shapes(gpus)
-        if candidate is not None and not candidate.is_file():
-            raise ValueError(f"--candidate {candidate}: no such file")
-        ours_text = candidate.read_text() if candidate is not None else wl.program_text(wl.seed)
+        ours_text = _check_candidate(candidate) if candidate is not None else wl.program_text(wl.seed)
         programs = {name: wl.program_text(name) for name in wl.baselines} | {"ours": ours_text}
+        _check_writable(out_dir, "--out-dir", folder=True)
     except (KeyError, ValueError) as exc:
         _fail(str(exc).strip("'\""))
     if device == "cuda":
-        _require_gpus(gpus, f"bench {workload} --gpus {gpus}")
-    elif device != "cpu":
-        _fail(f"--device must be cuda or cpu, not {device!r}")
+        _require_gpus(gpus, f"bench {workload} --gpus {gpus}", cpu_option=True)
     try:
         with WorkerPool(gpus, device=device, job_timeout_s=job_timeout) as pool, \
                 Progress(console=console, transient=True) as progress:
@@ -153,7 +316,7 @@ def bench(
 @app.command()
 def evolve(
     workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
-    gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
+    gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs (one worker each; default: the most this machine and the workload allow)"),
     budget: str = typer.Option("200", "--budget", help="evaluations (200) or wall time (20m, 90s, 1h)"),
     shape: str = typer.Option(None, "--shape", help="the shape to optimise (default: the template's, 8192^3 for gemm-allgather)"),
     pool_gpus: int = typer.Option(None, "--pool-gpus", min=1, help="split this node's GPUs into pools of this many "
@@ -181,8 +344,9 @@ def evolve(
     llm_islands: int = typer.Option(None, "--llm-islands", min=0, help="islands that propose with the LLM (default "
                                     "with --llm: half of --islands, at least 1)"),
 ) -> None:
-    """Search the workload's directive space and template knobs on this machine's GPUs. Offline
-    proposer by default; with --llm, some islands ask a model for code-level changes instead.
+    """Search the workload's directive space and template knobs on this machine's GPUs.
+
+    Offline proposer by default; with --llm, some islands ask a model for code-level changes instead.
     Every evaluated program (and every LLM call) goes to one SQLite file per run; --resume
     continues a run killed at any moment."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -203,9 +367,15 @@ def evolve(
         except ImportError as exc:
             _fail(str(exc))
     try:
-        plan = plan_run(workload, gpus=pool_gpus or gpus, budget=budget, shape=shape, islands=islands, seed=seed, resume=resume,
-                        runs_dir=runs_dir, compile_workers=compile_workers, llm=llm or (), llm_config=llm_config,
-                        llm_budget=llm_budget, llm_islands=llm_islands, stop_after=stop_after)
+        if resume is None:
+            _check_writable(runs_dir, "--runs-dir", folder=True)
+        if gpus is None and pool_gpus is None and resume is None:
+            gpus = _default_gpus(_workload_named(workload))
+        plan = plan_run(workload, gpus=pool_gpus or gpus or 0, budget=budget, shape=shape, islands=islands, seed=seed,
+                        resume=resume, runs_dir=runs_dir, compile_workers=compile_workers, llm=llm or (),
+                        llm_config=llm_config, llm_budget=llm_budget, llm_islands=llm_islands, stop_after=stop_after)
+        if resume is not None:
+            _check_writable(resume, "--resume")  # the search goes on writing into it
     except (KeyError, ValueError, LookupError, FileNotFoundError, ImportError) as exc:
         _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
     devices = [list(range(plan.gpus))]
@@ -255,48 +425,61 @@ def evolve(
 
 @app.command()
 def report(
-    run: Path = typer.Argument(..., help="a run database written by `commweave evolve`"),
+    run: Path = typer.Argument(..., help="a run database written by `commweave evolve` or `commweave demo`"),
     out: Path = typer.Option(None, "--out", help="output folder (default: beside the database, <name>-report)"),
 ) -> None:
     """One self-contained HTML page for a run (plots embedded), with the plots as PNGs beside it."""
-    from commweave.report.html import write_report
+    from commweave.report.html import report_dir, write_report
 
     try:
+        _check_writable(report_dir(run, out), "--out", folder=True)
         page = write_report(run, out)
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"report: {page}", highlight=False)
 
 
-@app.command()
-def export(
-    run: Path = typer.Argument(..., help="a run database written by `commweave evolve`"),
-    out: Path = typer.Option(..., "--out", help="file to write the best program to"),
-) -> None:
-    """Write a run's best program to a file: the program text (its directive set in the first
-    line) plus a line naming its workload, so it loads as a PyTorch op with
-    `commweave.ops.load(FILE)`. Time it beside the baselines with
-    `commweave bench WORKLOAD --candidate FILE`."""
+def _export_best(run: Path, out: Path) -> str:
+    """Write the run's best program to `out` (see `export`) and say what was written; a ValueError
+    (FileNotFoundError) if `run` is not a run database or holds no correct program."""
     from commweave.ops.exported import export_text
     from commweave.search.db import ProgramDB
     from commweave.search.driver import run_meta
 
-    try:
-        meta = run_meta(run)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
-    with ProgramDB(run) as db:
+    meta = run_meta(run)
+    with ProgramDB(run, readonly=True) as db:
         best = db.best()
     if best is None:
-        _fail(f"run {run} has no correct program to export")
+        raise ValueError(f"run {run} has no correct program to export")
+    simulated = {"simulated": True} if meta.get("simulated") else {}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(export_text(best.code, meta["workload"], run=run.name, program_id=best.id,
                                fitness=round(best.fitness, 4), baseline=best.timings.get("baseline"),
-                               shape=meta.get("shape"), gpus=meta.get("gpus")))
-    console.print(f"program #{best.id} ({best.fitness:.2f}x over {best.timings.get('baseline')} on {meta.get('shape')}) "
-                  f"-> {out}. Time it: commweave bench {meta['workload']} --gpus {meta['gpus']} --candidate {out}; "
-                  f"use it from PyTorch: commweave.ops.load({str(out)!r})",
-                  highlight=False)
+                               shape=meta.get("shape"), gpus=meta.get("gpus"), **simulated))
+    what = "simulated " if simulated else ""
+    return (f"program #{best.id} ({what}{best.fitness:.2f}x over {best.timings.get('baseline')} on {meta.get('shape')}) "
+            f"-> {out}. Time it: commweave bench {meta['workload']} --gpus {meta['gpus']} --candidate {out}; "
+            f"use it from PyTorch: commweave.ops.load({str(out)!r})")
+
+
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="a run database written by `commweave evolve` or `commweave demo`"),
+    out: Path = typer.Option(..., "--out", help="file to write the best program to"),
+) -> None:
+    """Write a run's best program to a file, loadable as a PyTorch op.
+
+    The program text (its directive set in the first line) plus a line naming its workload, so it
+    loads as a PyTorch op with `commweave.ops.load(FILE)`. Time it beside the baselines with
+    `commweave bench WORKLOAD --candidate FILE`."""
+    try:
+        if out.resolve() == run.resolve():
+            raise ValueError(f"--out {out} is the run database itself")
+        _check_writable(out, "--out")
+        said = _export_best(run, out)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(said, highlight=False)
 
 
 # -- agents -----------------------------------------------------------------------------------------
@@ -326,7 +509,7 @@ def _workload_named(name: str) -> Any:
 def fast_path(
     program: Path = typer.Argument(..., help="a host-driven program: Python (torch.distributed) in the program format, or CUDA with host NCCL calls"),
     workload: str = typer.Option(..., "--workload", help="the workload it computes (see `commweave list`), or 'module:Class'"),
-    gpus: int = typer.Option(4, "--gpus", help="GPUs (one worker each)"),
+    gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs (one worker each; default: the most this machine and the workload allow)"),
     shape: str = typer.Option(None, "--shape", help="shape to benchmark the result at (default: the template's, else the first bench shape)"),
     bench: bool = typer.Option(True, "--bench/--no-bench", help="time the result beside the workload's baselines"),
     llm: str = typer.Option(None, "--llm", help="the model: a name from the LLM config, or provider:model "
@@ -341,8 +524,9 @@ def fast_path(
                                "(no device-initiated code can run there, so stage B may keep host calls)"),
     job_timeout: float = typer.Option(300.0, "--job-timeout", help="seconds before a hung candidate is killed"),
 ) -> None:
-    """Convert a host-driven program into a device-initiated one: stage A adds symmetric buffers,
-    windows and a device communicator while keeping the host collectives; stage B replaces them
+    """Convert a host-driven program into a device-initiated one.
+
+    Stage A adds symmetric buffers, windows and a device communicator while keeping the host collectives; stage B replaces them
     under the conservative directives. The cascade judges every attempt; an LLM judge diagnoses
     failures for the next attempt."""
     import datetime as dt
@@ -358,7 +542,12 @@ def fast_path(
         _fail(f"--device must be cuda or cpu, not {device!r}")
     try:
         wl = _workload_named(workload)
+        gpus = gpus or _default_gpus(wl, device)
         wl.check_world_size(gpus)
+        if out is None:
+            stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            out = Path("runs") / f"fast-path-{wl.name}-{gpus}gpu-{stamp}.py"
+        _check_writable(out, "--out")
         analyze_program(program)  # the wrong kind of file, or one without collectives, fails here
         try:
             template = wl.template()
@@ -376,10 +565,7 @@ def fast_path(
     except (KeyError, ValueError, AnalysisError, FileNotFoundError, ImportError) as exc:
         _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))
     if device == "cuda":
-        _require_gpus(gpus, f"agent fast-path --gpus {gpus}")
-    if out is None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        out = Path("runs") / f"fast-path-{wl.name}-{gpus}gpu-{stamp}.py"
+        _require_gpus(gpus, f"agent fast-path --gpus {gpus}", cpu_option=True)
 
     def say(line: str) -> None:
         console.print(line, highlight=False, markup=False)

@@ -2,7 +2,9 @@
 
 Sections: the run (workload, shape, GPUs, budget, evaluations, time), best speedup over
 generations per island, every evaluation in order, the best program against each baseline and
-the floor, the failure breakdown, the best program's directives and code, and its lineage.
+the floor, the failure breakdown, the best program's directives and code, and its lineage. A run
+of the simulated evaluator (run metadata `simulated: true`, e.g. `commweave demo`) says so in its
+title, its run table and its timing tables: nothing in it was measured.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def island_curves(programs: list[ProgramRecord], migrations: list[dict[str, Any]
     return curves
 
 
-def _plot_islands(curves: dict[int, list[tuple[int, float]]], path: Path) -> str:
+def _plot_islands(curves: dict[int, list[tuple[int, float]]], path: Path, note: str) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for island, curve in curves.items():
@@ -68,12 +70,12 @@ def _plot_islands(curves: dict[int, list[tuple[int, float]]], path: Path) -> str
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("generation")
     ax.set_ylabel("best speedup over the baseline")
-    ax.set_title("best speedup per island")
+    ax.set_title("best speedup per island" + note)
     ax.legend()
     return _save(fig, path)
 
 
-def _plot_evaluations(programs: list[ProgramRecord], path: Path) -> str:
+def _plot_evaluations(programs: list[ProgramRecord], path: Path, note: str) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     ok = [(i, p.fitness) for i, p in enumerate(programs, 1) if p.ok]
@@ -89,25 +91,28 @@ def _plot_evaluations(programs: list[ProgramRecord], path: Path) -> str:
     ax.plot(range(1, len(programs) + 1), running, color="black", lw=1, label="best so far")
     ax.set_xlabel("evaluation")
     ax.set_ylabel("speedup over the baseline")
-    ax.set_title("every evaluation")
+    ax.set_title("every evaluation" + note)
     ax.legend()
     return _save(fig, path)
 
 
-def _plot_failures(counts: Counter, path: Path) -> str:
+def _plot_failures(counts: Counter, path: Path, note: str) -> str:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = plt.subplots(figsize=(6, 1 + 0.35 * len(counts)))  # bars of one height, however many classes
     names = sorted(counts, key=lambda k: -counts[k])
-    ax.barh(names or ["none"], [counts[n] for n in names] or [0], color="tab:red")
+    ax.barh(names, [counts[n] for n in names], color="tab:red")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # counts: no 0.25 ticks
     ax.set_xlabel("programs")
-    ax.set_title("failures by class")
+    ax.set_title("failures by class" + note)
     return _save(fig, path)
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+def _table(header: list[str] | None, rows: list[list[Any]]) -> str:
+    """An HTML table; `header` None for a key/value table (first column as row headings)."""
+    head = "<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>" if header else ""
+    cell = "<th>{}</th>" if header is None else "<td>{}</td>"
+    body = "".join("<tr>" + cell.format(row[0]) + "".join(f"<td>{c}</td>" for c in row[1:]) + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
 
 
 def _fmt(x: Any, spec: str = ",.1f") -> str:
@@ -125,7 +130,8 @@ def _changed(child: ProgramRecord, parent: ProgramRecord | None) -> str:
 
 CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:90%}
-pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:80%}img{max-width:100%}"""
+th{background:#f3f3f3}summary{cursor:pointer;margin:1em 0}pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:80%}img{max-width:100%}
+.notice{background:#fff3cd;border:1px solid #e0c060;padding:.5em 1em}"""
 
 
 def llm_rows(calls: list[dict[str, Any]], programs: list[ProgramRecord]) -> list[list[Any]]:
@@ -144,27 +150,35 @@ def llm_rows(calls: list[dict[str, Any]], programs: list[ProgramRecord]) -> list
     return rows
 
 
+def report_dir(db_path: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Where a run's report goes: `out_dir`, else beside the database as '<name>-report'."""
+    return Path(out_dir) if out_dir else Path(db_path).with_name(Path(db_path).stem + "-report")
+
+
 def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write `index.html` and the PNGs into `out_dir` (default: beside the database, '<name>-report')."""
+    """Write `index.html` and the PNGs into `out_dir` (default: beside the database, '<name>-report'),
+    created only once the database has been read (read-only) and holds an evaluated program."""
     db_path = Path(db_path)
-    if not db_path.is_file():
-        raise FileNotFoundError(f"no run database at {db_path}")
-    out = Path(out_dir) if out_dir else db_path.with_name(db_path.stem + "-report")
-    out.mkdir(parents=True, exist_ok=True)
-    with ProgramDB(db_path) as db:
+    with ProgramDB(db_path, readonly=True) as db:
         meta, programs, migrations, best = db.meta(), db.programs(), db.migrations(), db.best()
         lineage = db.lineage(best.id) if best else []
         calls = db.llm_calls()
     if not programs:
         raise ValueError(f"run {db_path} has no evaluated program yet")
+    out = report_dir(db_path, out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     by_id = {p.id: p for p in programs}
     failures = Counter(p.failure for p in programs if not p.ok)
+    simulated = bool(meta.get("simulated"))
+    measured = "simulated" if simulated else "median"
+    note = " (simulated)" if simulated else ""
 
     images = {
-        "islands": _plot_islands(island_curves(programs, migrations), out / "islands.png"),
-        "evaluations": _plot_evaluations(programs, out / "evaluations.png"),
-        "failures": _plot_failures(failures, out / "failures.png"),
+        "islands": _plot_islands(island_curves(programs, migrations), out / "islands.png", note),
+        "evaluations": _plot_evaluations(programs, out / "evaluations.png", note),
     }
+    if failures:
+        images["failures"] = _plot_failures(failures, out / "failures.png", note)
 
     def img(name: str, alt: str) -> str:
         return f'<img alt="{alt}" src="data:image/png;base64,{images[name]}">'
@@ -173,36 +187,44 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
     elapsed = meta.get("elapsed_s")
     throughput = len(programs) / elapsed * 60 if elapsed else None
     waited = sum(p.timings.get("compile_wait_s", 0.0) for p in programs)
-    run_rows = [["workload", meta.get("workload")], ["shape", meta.get("shape")], ["GPUs", meta.get("gpus")],
+    gpus = f"{meta.get('gpus')} simulated (no GPU used)" if simulated else meta.get("gpus")
+    run_rows = ([["evaluator", "simulated: fitness from a known landscape, no program was run or timed"]]
+                if simulated else []) + [
+                ["workload", meta.get("workload")], ["shape", meta.get("shape")], ["GPUs", gpus],
                 ["budget", ", ".join(f"{k} {v}" for k, v in budget.items() if v) or "-"],
                 ["evaluated", f"{len(programs)} ({len(programs) - sum(failures.values())} correct)"],
                 ["islands", meta.get("islands")], ["migrations", len(migrations)],
                 ["search time", f"{_fmt(meta.get('elapsed_s'), '.0f')} s"],
                 ["throughput", f"{_fmt(throughput, '.1f')} candidates / minute"],
-                ["evaluator waiting for compiles", f"{_fmt(waited, '.1f')} s in all"],
+                *([] if simulated else [["evaluator waiting for compiles", f"{_fmt(waited, '.1f')} s in all"]]),
                 ["proposer", meta.get("proposer")],
-                ["started", meta.get("started_at")], ["database", html.escape(str(db_path))]]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>commweave run {html.escape(db_path.stem)}</title>"
+                ["started", meta.get("started_at")], ["database", db_path]]
+    title = f"commweave run {db_path.stem}{note}"
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{CSS}</style></head><body>",
-             f"<h1>commweave run {html.escape(db_path.stem)}</h1>",
-             _table(["", ""], [[html.escape(str(k)), html.escape(str(v))] for k, v in run_rows]),
-             "<h2>Best speedup over generations</h2>", img("islands", "best speedup per island"),
-             img("evaluations", "every evaluation")]
+             f"<h1>{html.escape(title)}</h1>"]
+    if simulated:
+        parts.append("<p class='notice'>A simulated run: the evaluator scored each program's directive set on a "
+                     "known fitness landscape instead of compiling and timing it on GPUs. The search, database, "
+                     "report and export are the real ones; the numbers are not measurements.</p>")
+    parts += [_table(None, [[html.escape(str(k)), html.escape(str(v))] for k, v in run_rows]),
+              "<h2>Best speedup over generations</h2>", img("islands", "best speedup per island"),
+              img("evaluations", "every evaluation")]
 
-    parts.append("<h2>Best program against the baselines and the floor</h2>")
+    parts.append(f"<h2>Best program against the baselines and the floor{note}</h2>")
     if best is None:
         parts.append("<p>No program passed.</p>")
     else:
         t = best.timings
         ours = t.get("candidate_us")
-        rows = [["ours (program %d)" % best.id, _fmt(ours), "1.00x", "-"]]
+        rows = [["ours (program %d)" % best.id, _fmt(ours), "-"]]
         for name, us in (t.get("baselines_us") or {}).items():
             speed = f"{us / ours:.2f}x" if us and ours else "-"
             rows.append([html.escape(name) + (" (fitness baseline)" if name == t.get("baseline") else ""), _fmt(us),
-                         "-", speed])
+                         speed])
         floor = t.get("floor_us")
-        rows.append(["floor", _fmt(floor), "-", "-"])
-        parts.append(_table(["program", "median µs", "", "ours faster by"], rows))
+        rows.append(["floor", _fmt(floor), "-"])
+        parts.append(_table(["program", f"{measured} µs", "ours faster by"], rows))
         if floor and ours:
             parts.append(f"<p>floor / ours = {floor / ours:.2f}; fitness {best.fitness:.3f}</p>")
 
@@ -214,23 +236,27 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
                      + (f" of a {_fmt(meta['llm_budget_usd'], ',.2f')} $ budget" if meta.get("llm_budget_usd") else "")
                      + (f"; stopped: {html.escape(str(meta['stop_reason']))}" if meta.get("stop_reason") else "") + "</p>")
 
-    parts.append("<h2>Failures</h2>")
-    examples = {}
-    for p in programs:
-        if not p.ok and p.failure not in examples:
-            examples[p.failure] = p
-    parts.append(_table(["class", "programs", "first example"],
-                        [[html.escape(str(k)), n, f"#{examples[k].id}: {html.escape(examples[k].message[:300])}"]
-                         for k, n in failures.most_common()]) if failures else "<p>None.</p>")
-    parts.append(img("failures", "failures by class"))
+    parts.append(f"<h2>Failures{note}</h2>")
+    if failures:
+        examples = {}
+        for p in programs:
+            if not p.ok and p.failure not in examples:
+                examples[p.failure] = p
+        parts.append(_table(["class", "programs", "first example"],
+                            [[html.escape(str(k)), n, f"#{examples[k].id}: {html.escape(examples[k].message[:300])}"]
+                             for k, n in failures.most_common()]))
+        parts.append(img("failures", "failures by class"))
+    else:
+        parts.append("<p>None: every evaluated program passed.</p>")
 
     if best is not None:
-        parts.append(f"<h2>Best program (#{best.id}, island {best.island}, generation {best.generation})</h2>")
+        parts.append(f"<h2>Best program (#{best.id}, island {best.island}, generation {best.generation}){note}</h2>")
         if best.directives:
             flat = {k: v for k, v in best.directives.items() if k != "knobs"} | \
                    {f"knob {k}": v for k, v in (best.directives.get("knobs") or {}).items()}
             parts.append(_table(["directive", "value"], [[html.escape(k), html.escape(repr(v))] for k, v in flat.items()]))
-        parts.append(f"<pre>{html.escape(best.code)}</pre>")
+        lines = best.code.count("\n") + 1  # folded: hundreds of lines would bury the lineage below
+        parts.append(f"<details><summary>program text ({lines} lines)</summary><pre>{html.escape(best.code)}</pre></details>")
         parts.append("<h2>Lineage</h2>")
         rows = []
         for rec in lineage:

@@ -17,7 +17,9 @@ go on from where they stopped). Tables:
   produced. Each insert also sets the run's `llm_spent_usd` to the table's sum, in one transaction.
 
 Writes are serialised by a lock: LLM calls are recorded from the threads that make them.
-Tables are created if missing, so databases of older runs open unchanged.
+Tables are created if missing, so databases of older runs open unchanged. Readers (report,
+export) open the file read-only (`readonly=True`): nothing is written, and a file that is not a
+run database is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -109,17 +111,51 @@ class ProgramRecord:
         return self.status == "ok"
 
 
-class ProgramDB:
-    """A run's database. One writer (the search); readers (report) may open it concurrently."""
+def _open_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection to an existing run database (`mode=ro`: the file is never written or
+    created); FileNotFoundError if absent, ValueError if it is not SQLite, is corrupt, or lacks the
+    run's tables (an empty file is an empty SQLite database: no tables). Without a `-wal` file (no
+    writer, or one that closed cleanly) the database is opened `immutable`, so SQLite creates no
+    `-wal`/`-shm` files beside it either; a writer that starts meanwhile appends to a new WAL, which
+    leaves the main file as read."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no run database at {path}")
+    wal = path.with_name(path.name + "-wal")
+    uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
+    conn = sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False)
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        missing = [t for t in ("run", "programs") if t not in tables]
+        if missing:
+            raise ValueError(f"{path} is not a commweave run database (no {' or '.join(missing)} table)")
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise ValueError(f"{path} is a corrupt run database ({check})")
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise ValueError(f"{path} is not a commweave run database ({exc})") from None
+    except ValueError:
+        conn.close()
+        raise
+    return conn
 
-    def __init__(self, path: str | Path):
+
+class ProgramDB:
+    """A run's database. One writer (the search); readers (report, export) open it `readonly`,
+    concurrently with the writer."""
+
+    def __init__(self, path: str | Path, *, readonly: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None, check_same_thread=False)
+        if readonly:
+            self.conn = _open_readonly(self.path)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None, check_same_thread=False)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.executescript(SCHEMA)
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.executescript(SCHEMA)
+        self._tables = {row[0] for row in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         self._write = threading.Lock()
 
     def close(self) -> None:
@@ -194,6 +230,8 @@ class ProgramDB:
 
     def llm_calls(self, outcome: str | None = None, program_id: int | None = None) -> list[dict[str, Any]]:
         """Rows of `llm_calls` in order, optionally only one outcome or one program's."""
+        if "llm_calls" not in self._tables:  # a run older than the table, opened read-only
+            return []
         query, args = "SELECT * FROM llm_calls", []
         where = [(c, v) for c, v in (("outcome", outcome), ("program_id", program_id)) if v is not None]
         if where:
@@ -203,6 +241,8 @@ class ProgramDB:
 
     def llm_spent(self) -> float:
         """Dollars spent on LLM calls in this run (every invocation of it)."""
+        if "llm_calls" not in self._tables:
+            return 0.0
         return float(self.conn.execute("SELECT COALESCE(SUM(cost), 0) FROM llm_calls").fetchone()[0])
 
     @staticmethod
@@ -227,6 +267,8 @@ class ProgramDB:
         return self._record(row)
 
     def migrations(self) -> list[dict[str, Any]]:
+        if "migrations" not in self._tables:  # a run older than the table, opened read-only
+            return []
         return [dict(r) for r in self.conn.execute("SELECT * FROM migrations ORDER BY id")]
 
     def best(self) -> ProgramRecord | None:

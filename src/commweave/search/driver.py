@@ -9,6 +9,7 @@ can drive `evolve` (the tests use the simulated evaluator on a CPU).
 from __future__ import annotations
 
 import datetime as dt
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,7 @@ def new_run_path(workload: str, gpus: int, runs_dir: Path = RUNS_DIR) -> Path:
 
 def run_meta(path: Path) -> dict[str, Any]:
     """A run's metadata (workload, shape, gpus, budget, ...); error if it is not a run database."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no run database at {path}")
-    with ProgramDB(path) as db:
+    with ProgramDB(path, readonly=True) as db:
         meta = db.meta()
     if "workload" not in meta:
         raise ValueError(f"{path} holds no run (no metadata)")
@@ -92,6 +91,14 @@ class RunPlan:
     resumed: bool = False
 
 
+def parse_budget(text: str, option: str = "--budget") -> Budget:
+    """`Budget.parse`, saying "must be positive" for a zero or negative count or time."""
+    number = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*[smh]?\s*", text.lower())
+    if number and float(number.group(1)) <= 0:
+        raise ValueError(f"{option} {text!r} must be positive")
+    return Budget.parse(text)
+
+
 def plan_run(workload: str, *, gpus: int = 4, budget: str = "200", shape: str | None = None, islands: int = 4,
              seed: int = 0, resume: Path | None = None, runs_dir: Path = RUNS_DIR, compile_workers: int = 8,
              llm: Sequence[str] = (), llm_config: Path | None = None, llm_budget: float | None = None,
@@ -111,7 +118,7 @@ def plan_run(workload: str, *, gpus: int = 4, budget: str = "200", shape: str | 
         gpus, shape, islands, seed = meta["gpus"], meta["shape"], meta["islands"], meta.get("seed", seed)
         run_budget = Budget(**meta["budget"])
     else:
-        run_budget = Budget.parse(budget)
+        run_budget = parse_budget(budget)
     # models first: an unknown name, a missing SDK or key is said before any GPU starts
     if llm:
         found = load_models(llm_config)
@@ -128,7 +135,7 @@ def plan_run(workload: str, *, gpus: int = 4, budget: str = "200", shape: str | 
         raise ValueError(f"--llm-islands {llm_islands} must be between 1 and the {islands} islands with --llm")
     stop_after_s = None
     if stop_after is not None:
-        stop_after_s = Budget.parse(stop_after).seconds
+        stop_after_s = parse_budget(stop_after, "--stop-after").seconds
         if stop_after_s is None:
             raise ValueError(f"--stop-after {stop_after!r} must be a time (9m, 540s), not a number of evaluations")
     wl = get_workload(workload)
