@@ -260,11 +260,11 @@ def test_llm_and_offline_islands_in_one_search(tmp_path):
     released_by_progress: list[bool] = []
 
     def after_four_evaluations(body):
-        search, start = held["search"], held["search"].evaluator.calls
+        search, start = held["search"], held["search"].evaluated
         deadline = time.monotonic() + 4.0
-        while search.evaluator.calls < start + 4 and not search.exhausted() and time.monotonic() < deadline:
+        while search.evaluated < start + 4 and not search.exhausted() and time.monotonic() < deadline:
             time.sleep(0.002)
-        released_by_progress.append(search.evaluator.calls >= start + 4)
+        released_by_progress.append(search.evaluated >= start + 4)
         return rewrites(body)
 
     with ScriptedOpenAIServer([after_four_evaluations] * 20) as srv:
