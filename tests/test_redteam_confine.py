@@ -332,3 +332,15 @@ def test_status_names_every_confinement_once():
     landlock = next(c for c in checks if c.name == "landlock")
     assert landlock.in_force == (confine.landlock_abi() >= 1)
     assert all("\n" not in c.line() for c in checks)
+
+
+def test_doctor_prints_one_line_per_confinement():
+    from typer.testing import CliRunner
+
+    from commweave.cli import app
+
+    result = CliRunner().invoke(app, ["doctor"], terminal_width=80)
+    lines = [line.strip() for line in result.output.splitlines()]
+    start = lines.index("candidate confinement")
+    for check, line in zip(confine.status(), lines[start + 1:start + 7], strict=True):
+        assert line.startswith(("yes", "NO")) and f"{check.name}: " in line, line

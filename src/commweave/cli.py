@@ -40,9 +40,15 @@ def _require_gpus(n: int, what: str) -> None:
 
 @app.command()
 def doctor() -> None:
-    """GPUs, links, NCCL version, LSA/GIN, nvcc: what this machine offers commweave."""
+    """GPUs, links, NCCL version, LSA/GIN, nvcc, and the confinement candidates get here."""
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.runtime.capabilities import host_capabilities
+    from commweave.runtime.confine import status as confinement_status
+
+    console.print("[bold]candidate confinement[/]")
+    for check in confinement_status():
+        mark = "[green]yes[/]" if check.in_force else "[bold red]NO[/] "
+        console.print(f"  {mark}  {escape(check.name)}: {escape(check.detail)}", highlight=False, soft_wrap=True)
 
     caps = host_capabilities()
     table = Table(title="commweave doctor", show_header=False)

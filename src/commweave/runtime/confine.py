@@ -546,7 +546,9 @@ def status() -> list[Check]:
     except (OSError, ConfineError) as exc:
         checks.append(Check("private dir", False, f"cannot create one: {exc}"))
     abi = landlock_abi()
-    checks.append(Check("landlock", abi >= 1, f"ABI {abi}" + ("; signals scoped" if abi >= 6 else "") if abi else
+    checks.append(Check("landlock", abi >= 1, f"ABI {abi}: writes only to its private dir and /dev; no reads of "
+                        f"temp, home, the judge's cwd, the run or other processes' /proc"
+                        f"{'; no signals out' if abi >= 6 else ''}" if abi else
                         "unavailable on this kernel: a candidate can read every file this user can "
                         "(the DB path is still never passed, fds are still closed)"))
     why_not = net_namespace_available()
