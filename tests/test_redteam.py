@@ -117,7 +117,7 @@ def world(tmp_path_factory):
     try:
         with WorkerPool(2, device="cpu", job_timeout_s=JOB_TIMEOUT_S,
                         env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
-            evaluator = Evaluator(pool, TOY, warmup=1, iters=5, job_timeout_s=JOB_TIMEOUT_S)
+            evaluator = Evaluator(pool, TOY, warmup=2, iters=10, job_timeout_s=JOB_TIMEOUT_S)
             yield {"evaluator": evaluator, "db_path": db_path, "outside": outside, "listener": listener}
     finally:
         listener.server.close()
@@ -218,7 +218,9 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
     assert result.fitness == 0 and not result.verdict.ok, f"{name} passed: {result.verdict.message}"
     assert result.verdict.failure in EXPECTED[name], f"{name}: {result.verdict.failure}: {result.verdict.message}"
     assert SECRET not in said, f"{name} got a secret into a verdict"
-    assert DB_ROW not in said and str(world["db_path"]) not in said, f"{name} got the run database into a verdict"
+    assert DB_ROW not in said, f"{name} got the run database into a verdict"
+    if "__RUN_DB__" not in (CORPUS / f"{name}.py").read_text():  # a path it was not given is a leak too
+        assert str(world["db_path"]) not in said, f"{name} found the run database's path"
     assert "test_redteam" not in said, f"{name} got an ancestor's command line into a verdict"
     assert world["listener"].received[heard_before:] == [], f"{name} reached the listener"
     assert digest(world["db_path"]) == db_before, f"{name} changed the run database"

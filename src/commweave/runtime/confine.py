@@ -459,11 +459,11 @@ def default_deny_read() -> list[str]:
 
 
 def default_readable() -> list[str]:
-    """Re-allowed inside denied trees: Python's import path (the package, site-packages, the
-    workload's folder), and the compile cache and toolchain (read-only)."""
+    """Re-allowed inside denied trees: the Python installation and import path (the package,
+    site-packages, the workload's folder), and the compile cache and toolchain (read-only)."""
     from commweave.runtime.toolchain import cache_dir
 
-    paths = [p for p in sys.path if p and os.path.exists(p)]
+    paths = [p for p in {sys.prefix, sys.exec_prefix, sys.base_prefix, *sys.path} if p and os.path.exists(p)]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.exists(p)]
     with contextlib.suppress(Exception):
         paths.append(str(cache_dir()))
