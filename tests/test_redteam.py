@@ -215,17 +215,29 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
                            + [t.verdict.message + t.verdict.detail for t in [result.candidate, *result.baselines.values()] if t]))
     leftovers = leftover_processes()
     escaped = escaped_files(world)
-    assert result.fitness == 0 and not result.verdict.ok, f"{name} passed: {result.verdict.message}"
-    assert result.verdict.failure in EXPECTED[name], f"{name}: {result.verdict.failure}: {result.verdict.message}"
-    assert SECRET not in said, f"{name} got a secret into a verdict"
-    assert DB_ROW not in said, f"{name} got the run database into a verdict"
-    if "__RUN_DB__" not in (CORPUS / f"{name}.py").read_text():  # a path it was not given is a leak too
-        assert str(world["db_path"]) not in said, f"{name} found the run database's path"
-    assert "test_redteam" not in said, f"{name} got an ancestor's command line into a verdict"
-    assert world["listener"].received[heard_before:] == [], f"{name} reached the listener"
-    assert digest(world["db_path"]) == db_before, f"{name} changed the run database"
-    assert leftovers == [], f"{name} left processes behind: {leftovers}"
-    assert escaped == [], f"{name} wrote outside its private folder: {escaped}"
+    problems = []
+    if result.fitness != 0 or result.verdict.ok:
+        problems.append(f"passed with fitness {result.fitness:.2f}: {result.verdict.message}")
+    elif result.verdict.failure not in EXPECTED[name]:
+        problems.append(f"failed as {result.verdict.failure}, expected {'/'.join(sorted(EXPECTED[name]))}: "
+                        f"{result.verdict.message}")
+    if SECRET in said:
+        problems.append("a secret reached a verdict")
+    if DB_ROW in said:
+        problems.append("the run database's contents reached a verdict")
+    if "__RUN_DB__" not in (CORPUS / f"{name}.py").read_text() and str(world["db_path"]) in said:
+        problems.append("it found the run database's path (it was not given it)")
+    if "test_redteam" in said:
+        problems.append("an ancestor's command line reached a verdict")
+    if world["listener"].received[heard_before:]:
+        problems.append(f"it reached the listener: {world['listener'].received[heard_before:]!r:.200}")
+    if digest(world["db_path"]) != db_before:
+        problems.append("the run database changed")
+    if leftovers:
+        problems.append(f"it left processes behind: {leftovers}")
+    if escaped:
+        problems.append(f"it wrote outside its private folder: {escaped}")
+    assert not problems, f"{name}: " + "; ".join(problems)
 
     honest = evaluator.evaluate((TESTS / "programs_cpu" / "host.py").read_text(), SHAPE)
     assert honest.verdict.ok, f"after {name}: {honest.verdict.message}"
