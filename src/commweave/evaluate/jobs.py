@@ -161,6 +161,7 @@ class _Program:
         self.verdict = Verdict.passed()
         self.shape, self.seed = label, None
         self.aborted = False
+        self.peers_failed = False
         self.active = True
         self.buffers: SharedBuffers | None = None
         self.inputs: list[dict[str, torch.Tensor]] = []
@@ -176,7 +177,8 @@ class _Program:
     # -- verdicts ---------------------------------------------------------------------------------
     @property
     def ok(self) -> bool:
-        return self.verdict.ok and not self.aborted
+        """Neither this rank nor, as far as the last agreement said, any other rank failed."""
+        return self.verdict.ok and not self.aborted and not self.peers_failed
 
     def fail(self, failure: FailureClass, what: str, detail: str = "") -> None:
         """Record a failure here, unless an earlier one is already recorded; peers stop waiting."""
@@ -195,7 +197,8 @@ class _Program:
         if aborted and not failed and self.verdict.ok:
             self.verdict = Verdict.failed(FailureClass.RUNTIME_ERROR, "a peer rank's program stopped answering",
                                           rank=self.ctx.rank, shape=self.shape, seed=self.seed)
-        return failed == 0 and aborted == 0
+        self.peers_failed = self.peers_failed or failed > 0 or aborted > 0
+        return not self.peers_failed
 
     # -- requests ---------------------------------------------------------------------------------
     def call(self, what: str, message: tuple, then: Callable[[], None] | None = None) -> Any:
@@ -426,7 +429,7 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         probe = first.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, 0, ctx.device)
     count = _input_set_count(job, probe)
     result.input_sets = count
-    seeds = _fresh_seeds(job, list(programs), iters)
+    seeds = _fresh_seeds(job, list(programs), max(iters, count) + count)
     rotations: dict[str, _Rotation] = {}
     for name, program in started.items():
         if program.ok:
@@ -434,8 +437,8 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
             if program.ok and held is not None:
                 result.memory[name] = held
                 rotations[name] = _Rotation(seeds[name])
-                for index in range(count):
-                    _refill(wl, program, shape, rotations[name], index, index)
+                for index in range(count):  # warm-up values: never those of a timed iteration
+                    _refill(wl, program, shape, rotations[name], index, max(iters, count) + index)
         program.agree()
     active = {name: p for name, p in started.items() if p.ok}
     if ctx.is_cuda:
@@ -451,6 +454,10 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         program = active[name]
         if program.active and _still_ok(program):
             program.run(i % count, "warm")
+    for name, program in active.items():
+        if program.active:
+            for index in range(count):
+                _refill(wl, program, shape, rotations[name], index, index)
     unready = {name: 0 for name in active}
     verifying = 0.0
     for name, i in interleaved_schedule(list(active), iters):
@@ -509,7 +516,8 @@ def _input_set_count(job: _Job, probe: dict[str, torch.Tensor] | None) -> int:
 
 
 def _fresh_seeds(job: _Job, names: list[str], iters: int) -> dict[str, list[int]]:
-    """Per program, one seed per timed iteration: drawn by rank 0's judge now, after the programs
+    """Per program, one seed per timed iteration (at least one per input set), then one per set
+    for the warm-up: drawn by rank 0's judge now, after the programs
     started, from the OS's randomness, and the same on every rank."""
     drawn = [{n: [secrets.randbelow(1 << 40) for _ in range(iters)] for n in names} if job.ctx.rank == 0 else None]
     dist.broadcast_object_list(drawn, src=0, group=job.group)
