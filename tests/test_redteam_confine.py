@@ -190,6 +190,7 @@ def test_kill_tree_kills_a_group_and_its_descendants_but_keeps_what_it_is_told()
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     a, b = (int(p) for p in tree.stdout.readline().split())
     try:
+        assert confine.left_session(tree.pid) == {b}
         confine.kill_tree(tree.pid, keep=[b])
         tree.wait(timeout=5)
         assert wait_dead(a) and alive(b)

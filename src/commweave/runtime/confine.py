@@ -181,6 +181,21 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def left_session(pid: int) -> set[int]:
+    """Descendants of `pid` in a session other than its own: a program process leads its session,
+    so anything below it elsewhere called setsid() to dodge a group kill (honest programs do not)."""
+    try:
+        session = os.getsid(pid)
+    except ProcessLookupError:
+        return set()
+    escaped = set()
+    for child in descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getsid(child) != session:
+                escaped.add(child)
+    return escaped
+
+
 def kill_tree(pid: int, keep: Iterable[int] = (), include_root: bool = True) -> int:
     """SIGKILL `pid` (unless include_root=False), its process group when it leads one, and every
     descendant except `keep` and their own descendants; descendants are stopped first so none can
