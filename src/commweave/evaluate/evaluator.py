@@ -129,12 +129,17 @@ class Evaluator:
         """Run a judge job; a judge that died while a candidate's processes ran is the candidate's
         doing if a fresh pool then judges a baseline correctly (else the machine's: raised)."""
         result = self.pool.run(job, timeout_s=self.job_timeout_s, budget_s=JUDGE_SHARE * self._timeout_s, **kwargs)
+        slowest: dict[str, float] = {}
         for values in result.values:
             for phase, seconds in getattr(values, "phases", {}).items():
-                self.phases[phase] = self.phases.get(phase, 0.0) + seconds / len(result.values)
+                slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+        for phase, seconds in slowest.items():
+            self.phases[phase] = self.phases.get(phase, 0.0) + seconds
         cause = result.cause()
         if result.ok or cause is None or cause[1].error_type != "crashed":
             return result
+        if not candidate:
+            raise InfrastructureError(f"a judge process died judging trusted programs: {cause[1].message}")
         probe_name = self.workload.baselines[0]
         probe = self._check(self.workload.program_text(probe_name), probe_name,
                             self.workload.check_shapes(self.world_size)[:1], candidate=False)
