@@ -22,6 +22,7 @@ import pytest
 
 from commweave.runtime import confine
 from commweave.runtime.pool import SAFE_ENV
+from commweave.runtime.toolchain import cache_dir
 
 SRC = str(Path(__file__).parent.parent / "src")
 NETNS_MISSING = confine.net_namespace_available()
@@ -85,6 +86,8 @@ def test_env_allowlist_drops_secrets_and_run_paths_and_keeps_what_torch_needs(tm
         assert name not in env, name
     assert env["HOME"] == str(tmp_path / "home") and env["TMPDIR"] == str(tmp_path / "tmp")
     assert all(env[k] == v for k, v in SAFE_ENV.items())  # forced, even over the base's NCCL_NVLS_ENABLE=1
+    without_cache = confine.candidate_env({k: v for k, v in base.items() if k != "COMMWEAVE_CACHE"}, tmp_path)
+    assert without_cache["COMMWEAVE_CACHE"] == str(cache_dir())  # the judge's, not one below the new HOME
 
 
 # -- private directory -----------------------------------------------------------------------------
@@ -345,3 +348,40 @@ def test_doctor_prints_one_line_per_confinement():
     start = lines.index("candidate confinement")
     for check, line in zip(confine.status(), lines[start + 1:start + 7], strict=True):
         assert line.startswith(("yes", "NO")) and f"{check.name}: " in line, line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becomes an unprivileged user: needs root to start as")
+def test_an_unprivileged_user_gets_the_namespace_through_a_user_namespace_and_ranks_share_it():
+    """The non-root path: rank 0 makes user + network namespaces, rank 1 joins both."""
+    rendezvous = Path(tempfile.mkdtemp(prefix="cw_userns_"))
+    rendezvous.chmod(0o777)
+    read, write = os.pipe()
+    pids = []
+    for r in range(2):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                confine._prctl(4, 1)  # PR_SET_DUMPABLE, as for a user who never was root: /proc/self is ours
+                how = confine.share_net_namespace(r, rendezvous, timeout_s=20)
+                answer = [r, how, os.stat("/proc/self/ns/net").st_ino, [n for _, n in socket.if_nameindex()]]
+            except BaseException as exc:  # noqa: BLE001 - reported to the test
+                answer = [r, f"{type(exc).__name__}: {exc}"]
+            os.write(write, (json.dumps(answer) + "\n").encode())
+            if r == 0:
+                time.sleep(3)  # rank 0's namespace must live while rank 1 joins
+            os._exit(0)
+        pids.append(pid)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answers = sorted(json.loads(line) for line in pipe)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    confine.remove_tree(rendezvous)
+    if answers[0][1].startswith(("PermissionError", "OSError")):
+        pytest.skip(f"unprivileged user namespaces are not allowed here: {answers[0][1]}")
+    assert [a[1] for a in answers] == ["in a user namespace", "joined rank 0's"], answers
+    assert answers[0][2] == answers[1][2] != os.stat("/proc/self/ns/net").st_ino
+    assert answers[0][3] == answers[1][3] == ["lo"]

@@ -72,8 +72,12 @@ def env_allowed(name: str) -> bool:
 def candidate_env(base: Mapping[str, str], workdir: Path | str | None = None,
                   extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a program process is exec'd with: `base` and `extra` through the allowlist,
-    HOME/TMPDIR/caches inside `workdir` (its private directory, when given), multicast off."""
+    HOME/TMPDIR/caches inside `workdir` (its private directory, when given), multicast off, and
+    the compile cache named (cubins the judge's process compiled; read-only under Landlock)."""
+    from commweave.runtime.toolchain import cache_dir
+
     env = {k: v for k, v in {**base, **(extra or {})}.items() if env_allowed(k)}
+    env.setdefault("COMMWEAVE_CACHE", str(cache_dir()))  # the judge's cache, not one under the new HOME
     if workdir is not None:
         home, tmp = Path(workdir) / "home", Path(workdir) / "tmp"
         env.update(HOME=str(home), TMPDIR=str(tmp), XDG_CACHE_HOME=str(home / ".cache"),
