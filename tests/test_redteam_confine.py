@@ -293,8 +293,11 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
     (secret_dir / "db.sqlite").write_text("the run")
     outside = Path(tempfile.gettempdir()) / f"cw_outside_{os.getpid()}"
 
-    def child(workdir):
-        env = confine.candidate_env(os.environ, workdir)
+    (tmp_path / "workload.py").write_text("x = 1")
+
+    def child(workdir):  # the run's folder sits inside a folder on the import path: it stays denied
+        path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+        env = confine.candidate_env(os.environ, workdir, extra={"PYTHONPATH": path})
         checks = confine.confined_child_setup(workdir=workdir, env=env, network=False, deny_read=[secret_dir])
         out = {"checks": [c.name for c in checks]}
 
@@ -306,6 +309,7 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
                 out[name] = type(exc).__name__
 
         attempt("read_run_db", lambda: (secret_dir / "db.sqlite").read_text())
+        attempt("read_import_path", lambda: (tmp_path / "workload.py").read_text())
         attempt("write_run_db", lambda: (secret_dir / "db.sqlite").write_text("x"))
         attempt("write_outside", lambda: outside.write_text("x"))
         attempt("write_private", lambda: (workdir / "tmp" / "f").write_text("x"))
@@ -326,6 +330,7 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
     assert out["read_run_db"] == out["write_run_db"] == out["write_outside"] == denied
     assert out["read_parent_environ"] == out["read_parent_cmdline"] == out["list_parent_fds"] == denied
     assert out["write_private"] == out["read_own_status"] == out["read_system"] == out["import_torch"] == "allowed"
+    assert out["read_import_path"] == "allowed"
     assert out["signal_parent"] == (denied if confine.landlock_abi() >= 6 else "allowed")
 
 

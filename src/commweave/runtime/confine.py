@@ -386,10 +386,10 @@ def _real(path: Path | str) -> str:
     return os.path.realpath(os.path.abspath(path))
 
 
-def _readable_roots(deny: list[str]) -> list[str]:
-    """Paths whose subtrees together cover the whole file system except `deny` (and except the
-    listing of the denied paths' ancestors, which a Landlock rule cannot grant without granting
-    everything below)."""
+def _readable_roots(deny: list[str], start: str = "/") -> list[str]:
+    """Paths whose subtrees together cover `start`'s tree except `deny` (and except the listing of
+    the denied paths' ancestors, which a Landlock rule cannot grant without granting everything
+    below)."""
     roots: list[str] = []
 
     def walk(folder: str) -> None:
@@ -406,8 +406,24 @@ def _readable_roots(deny: list[str]) -> list[str]:
             else:
                 roots.append(path)
 
-    walk("/")
+    walk(start)
     return roots
+
+
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _granting_none_of(paths: Iterable[str], protect: list[str]) -> list[str]:
+    """`paths`, where one holds a protected path, replaced by its parts that do not; a path
+    beneath a protected one is dropped."""
+    granted: list[str] = []
+    for path in paths:
+        if any(_beneath(path, p) for p in protect):
+            continue
+        inside = [p for p in protect if _beneath(p, path)]
+        granted += _readable_roots(inside, start=path) if inside else [path]
+    return granted
 
 
 def _own_proc_entries() -> list[str]:
@@ -419,10 +435,11 @@ def _own_proc_entries() -> list[str]:
 
 
 def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable[Path | str] = (),
-                        readable: Iterable[Path | str] = ()) -> int:
+                        readable: Iterable[Path | str] = (), protect: Iterable[Path | str] = ()) -> int:
     """Landlock this process and all it starts later: writes only beneath `writable`, /dev (device
-    nodes, /dev/shm); reads everywhere except beneath `deny_read` and other processes' /proc
-    entries, with `readable` (and `writable`) re-allowed inside denied trees; with ABI >= 6 no
+    nodes, /dev/shm); reads everywhere except beneath `deny_read`, `protect` and other processes'
+    /proc entries, with `readable` (and `writable`) re-allowed inside denied trees but never over
+    a `protect`ed path (a readable folder holding one is granted around it); with ABI >= 6 no
     signals to processes outside this domain. Processes this one starts later cannot read their
     own /proc/<pid> either. Returns the ABI used; raises ConfineError where Landlock is unavailable."""
     abi = landlock_abi()
@@ -435,11 +452,12 @@ def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable
     if ruleset < 0:
         raise ConfineError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
     try:
-        deny = sorted({_real(p) for p in (*deny_read, "/proc")})
+        protected = sorted({_real(p) for p in (*protect, "/proc")})
+        deny = sorted({_real(p) for p in deny_read} | set(protected))
         writable_paths = [_real(p) for p in (*writable, "/dev")]
         rules = [(p, FS_READ) for p in _readable_roots(deny)]
         rules += [(p, FS_READ) for p in _own_proc_entries()]
-        rules += [(_real(p), FS_READ) for p in readable]
+        rules += [(p, FS_READ) for p in _granting_none_of([_real(p) for p in readable], protected)]
         rules += [(p, FS_READ | write) for p in writable_paths]
         for path, access in rules:
             _add_path_rule(ruleset, path, access)
@@ -511,11 +529,13 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
     """First call in a program process, before candidate code: dies with its parent, leads its own
     session, runs in `workdir` with `env`, joins its program's network namespace (through
     `rendezvous`, the judge-made folder its ranks share; also writable), Landlock (see
-    `restrict_filesystem`), optional data-size limit, then closes fds but `keep_fds` (None: leave
+    `restrict_filesystem`; `deny_read`, e.g. the run's folder, stays unreadable even where an
+    import path holds it), optional data-size limit, then closes fds but `keep_fds` (None: leave
     them). Returns what is in force; raises ConfineError where an asked-for piece cannot be had —
     pass network=False / filesystem=False where `status()` says the machine lacks it."""
     checks = []
-    denied = [*default_deny_read(), str(Path(workdir).parent), *map(str, deny_read)]  # before the swap below
+    denied = default_deny_read()  # before the swap below
+    protected = [str(Path(workdir).parent), *map(str, deny_read)]  # other candidates, the run: never re-allowed
     die_with_parent(parent=parent)
     checks.append(Check("pdeathsig", True, "SIGKILL when the parent dies"))
     new_session()
@@ -542,7 +562,7 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
         checks.append(Check("memory limit", True, f"RLIMIT_DATA {memory_limit_bytes >> 20} MiB"))
     if filesystem:
         extra_writable = [workdir, *writable, *([rendezvous] if rendezvous is not None else [])]
-        abi = restrict_filesystem(writable=extra_writable, deny_read=denied, readable=default_readable())
+        abi = restrict_filesystem(writable=extra_writable, deny_read=denied, readable=default_readable(), protect=protected)
         checks.append(Check("landlock", True, f"ABI {abi}: writes to the private dir and /dev only; run, home, "
                                               f"temp and other processes unreadable{'; no signals out' if abi >= 6 else ''}"))
     else:
