@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass, field
 
 from commweave.evaluate.floor import MachineRates, below_floor, floor_s
 from commweave.evaluate.jobs import RankBench, RankCheck, resolve_workload, workload_ref

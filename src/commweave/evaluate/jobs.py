@@ -35,7 +35,9 @@ from commweave.contracts.verdict import FailureClass, HarnessError, Verdict, Wor
 from commweave.contracts.workload import Shape, Workload
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
 from commweave.evaluate.timing import VERIFY_ONE_IN, input_sets_for, interleaved_schedule
-from commweave.runtime.candidate import ProgramProcess, ProgramStartError, make_rendezvous, remove_rendezvous
+from commweave.runtime.candidate import (
+    ProgramProcess, ProgramStartError, confinement, make_rendezvous, remove_rendezvous,
+)
 from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
 from commweave.runtime.shared_buffers import SharedBuffers
 
@@ -168,7 +170,8 @@ class _Program:
         self.go: Any = None
         self.done: Any = None
         self.proc = ProgramProcess.spawn(rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                         device=self.ctx.device.type, rendezvous=rendezvous, serve=SERVE)
+                                         device=self.ctx.device.type, rendezvous=rendezvous, serve=SERVE,
+                                         rules=confinement(self.ctx.device.type, SERVE))
         job.programs.append(self)
 
     def await_ready(self) -> None:

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
@@ -118,6 +118,8 @@ class Zygote:
     def __init__(self, preload: list[str]):
         ours, theirs = socket.socketpair()
         env = confine.candidate_env(os.environ)
+        if env.get("PYTHONPATH"):  # it starts in another directory: relative entries would point elsewhere
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from commweave.runtime.candidate import _zygote_main; "
              "_zygote_main(int(sys.argv[1]), sys.argv[2:])", str(theirs.fileno()), *preload],
@@ -186,21 +188,53 @@ def zygote(serve: str) -> Zygote:
 
 @dataclass(frozen=True)
 class Confinement:
-    """What the program processes get on this machine (decided once per judge)."""
+    """Which optional confinements program processes get on this machine (decided once per judge);
+    `dropped` says which were given up and why."""
 
     network: bool
     filesystem: bool
+    dropped: str = ""
 
 
 _CONFINEMENT: Confinement | None = None
 
 
-def confinement() -> Confinement:
+def confinement(device: str, serve: str) -> Confinement:
+    """What this machine offers; on GPUs, also what lets a program process start CUDA and NCCL."""
     global _CONFINEMENT
     if _CONFINEMENT is None:
-        _CONFINEMENT = Confinement(network=confine.net_namespace_available() is None,
-                                   filesystem=confine.landlock_abi() >= 1)
+        offered = Confinement(network=confine.net_namespace_available() is None, filesystem=confine.landlock_abi() >= 1)
+        _CONFINEMENT = _startable(offered, serve) if device == "cuda" else offered
     return _CONFINEMENT
+
+
+def _startable(offered: Confinement, serve: str) -> Confinement:
+    """Start a throwaway program process (a world of one: CUDA context and NCCL communicator) under
+    `offered`; where it cannot start, try without Landlock, then without the network namespace,
+    then without both, and warn which was dropped: a judge whose programs cannot start on its GPUs
+    judges nothing at all."""
+    tries = [offered, replace(offered, filesystem=False), replace(offered, network=False), Confinement(False, False)]
+    failures: list[str] = []
+    for rules in dict.fromkeys(tries):
+        rendezvous = make_rendezvous()
+        try:
+            proc = ProgramProcess.spawn(rank=0, world_size=1, device="cuda", rendezvous=rendezvous, serve=serve,
+                                        rules=rules)
+            proc.await_ready(time.monotonic() + ZYGOTE_START_S, lambda: False)
+            proc.close()
+        except ProgramStartError as exc:
+            failures.append(f"network namespace {rules.network}, Landlock {rules.filesystem}: {exc}")
+            continue
+        finally:
+            remove_rendezvous(rendezvous)
+        if not failures:
+            return rules
+        dropped = "; ".join(failures)
+        warnings.warn(f"program processes run with less confinement on this machine (network namespace "
+                      f"{rules.network}, Landlock {rules.filesystem}); CUDA could not start with more: {dropped}",
+                      stacklevel=2)
+        return replace(rules, dropped=dropped)
+    raise ProgramStartError("no program process can start CUDA on this machine: " + "; ".join(failures))
 
 
 # -- judge side: one program process --------------------------------------------------------------
@@ -228,11 +262,11 @@ class ProgramProcess:
     closed: bool = False
 
     @classmethod
-    def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str) -> ProgramProcess:
-        """Fork a program process (it then confines itself and joins its process group)."""
+    def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,
+              rules: Confinement) -> ProgramProcess:
+        """Fork a program process (it then confines itself by `rules` and joins its process group)."""
         stack = contextlib.ExitStack()
         workdir = stack.enter_context(confine.private_workdir())
-        rules = confinement()
         z = zygote(serve)
         args = dict(rank=rank, world_size=world_size, device=device, rendezvous=str(rendezvous), serve=serve,
                     workdir=str(workdir), env=confine.candidate_env(os.environ, workdir),
@@ -312,7 +346,3 @@ def make_rendezvous() -> Path:
 def remove_rendezvous(path: Path) -> None:
     if path.exists():
         confine.remove_tree(path)
-
-
-def remove_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
