@@ -73,6 +73,8 @@ EXPECTED: dict[str, set[FailureClass]] = {
 # Run in the judge's own process, these would kill the test run itself (its parent, its group).
 KILLS_ITS_PARENT = {"kill_parent", "kill_judge_group", "kill_own_group"}
 JOB_TIMEOUT_S = 20  # the sleeper waits this long; honest jobs take well under a second here
+HONEST_ITERS = 100
+MAX_TIMING_LOAD = 3.0  # runnable processes per core up to which the ~1.0x check is asserted (as in test_evaluate_cpu)
 
 
 class Listener:
@@ -118,7 +120,10 @@ def world(tmp_path_factory):
         with WorkerPool(2, device="cpu", job_timeout_s=JOB_TIMEOUT_S,
                         env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
             evaluator = Evaluator(pool, TOY, warmup=2, iters=10, job_timeout_s=JOB_TIMEOUT_S)
-            yield {"evaluator": evaluator, "db_path": db_path, "outside": outside, "listener": listener}
+            # the honest follow-up times more iterations: blocks of a 10-iteration benchmark are
+            # short enough for one burst of another process's load to decide a median
+            honest = Evaluator(pool, TOY, warmup=2, iters=HONEST_ITERS, job_timeout_s=JOB_TIMEOUT_S)
+            yield {"evaluator": evaluator, "honest": honest, "db_path": db_path, "outside": outside, "listener": listener}
     finally:
         listener.server.close()
         db.close()
@@ -239,6 +244,9 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
         problems.append(f"it wrote outside its private folder: {escaped}")
     assert not problems, f"{name}: " + "; ".join(problems)
 
-    honest = evaluator.evaluate((TESTS / "programs_cpu" / "host.py").read_text(), SHAPE)
+    honest = world["honest"].evaluate((TESTS / "programs_cpu" / "host.py").read_text(), SHAPE)
     assert honest.verdict.ok, f"after {name}: {honest.verdict.message}"
-    assert 0.5 < honest.fitness < 2.0, f"after {name}: the baseline-equal program measured {honest.fitness:.2f}x"
+    assert honest.fitness > 0
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    if load <= MAX_TIMING_LOAD:  # beyond it, other processes' scheduling decides medians, not the judge
+        assert 0.5 < honest.fitness < 2.0, f"after {name}: the baseline-equal program measured {honest.fitness:.2f}x"
