@@ -161,6 +161,7 @@ class _Program:
         self.job, self.name, self.text, self.rendezvous = job, name, text, rendezvous
         self.ctx = job.ctx
         self.verdict = Verdict.passed()
+        self.judged: Verdict | None = None  # the first wrong output of a timed iteration (it goes on being timed)
         self.shape, self.seed = label, None
         self.aborted = False
         self.peers_failed = False
@@ -183,11 +184,14 @@ class _Program:
         """Neither this rank nor, as far as the last agreement said, any other rank failed."""
         return self.verdict.ok and not self.aborted and not self.peers_failed
 
+    def located(self, failure: FailureClass, what: str, detail: str = "") -> Verdict:
+        """A failure verdict naming this rank and where the program is (shape, seed)."""
+        return Verdict.failed(failure, what, rank=self.ctx.rank, shape=self.shape, seed=self.seed, detail=detail)
+
     def fail(self, failure: FailureClass, what: str, detail: str = "") -> None:
         """Record a failure here, unless an earlier one is already recorded; peers stop waiting."""
         if self.verdict.ok:
-            self.verdict = Verdict.failed(failure, what, rank=self.ctx.rank, shape=self.shape, seed=self.seed,
-                                          detail=detail)
+            self.verdict = self.located(failure, what, detail)
         self.job.abort(self.name)
 
     def agree(self) -> bool:
@@ -353,7 +357,9 @@ def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]
         program.fill(0, fresh)
         program.run(0, "check")
         if program.agree():  # a rank whose run failed explains its peers' outputs: judge none then
-            _judge_run(wl, program, shape, seed, program.inputs[0], fresh, "")
+            failure = _judge_run(wl, program, shape, seed, program.inputs[0], fresh, "")
+            if failure is not None:
+                program.fail(failure.failure, failure.message)
         if not program.agree():
             return False
     program.seed = None
@@ -362,18 +368,17 @@ def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]
 
 
 def _judge_run(wl: Workload, program: _Program, shape: Shape, seed: int, inputs: dict[str, torch.Tensor],
-               pristine: dict[str, torch.Tensor], when: str) -> None:
-    """Inputs unchanged, then the output against the reference of `seed` (all in the judge)."""
+               pristine: dict[str, torch.Tensor], when: str) -> Verdict | None:
+    """Inputs unchanged, then the output against the reference of `seed` (all in the judge): the
+    failure found, or None."""
     ctx = program.ctx
     changed = program.harness("comparing inputs", modified_inputs, inputs, pristine)
     if changed:
-        program.fail(FailureClass.WRONG_RESULT, f"{when}input {', '.join(map(repr, changed))} was modified")
-        return
+        return program.located(FailureClass.WRONG_RESULT, f"{when}input {', '.join(map(repr, changed))} was modified")
     ref = program.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, seed, ctx.device)
     untouched = program.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
     verdict = program.harness("judging the output", judge_output, program.out, ref, wl.tolerance(), untouched)
-    if not verdict.ok:
-        program.fail(verdict.failure, f"{when}{verdict.message}")
+    return None if verdict.ok else program.located(verdict.failure, f"{when}{verdict.message}")
 
 
 # -- benchmark ------------------------------------------------------------------------------------
@@ -477,8 +482,9 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         if ready and (i == iters - 1 or secrets.randbelow(VERIFY_ONE_IN) == 0):
             t0 = time.perf_counter()
             program.seed = rotation.seeds[i]
-            _judge_run(wl, program, shape, rotation.seeds[i], program.inputs[index], rotation.pristine[index],
-                       f"benchmark iteration {i}: ")
+            failure = _judge_run(wl, program, shape, rotation.seeds[i], program.inputs[index], rotation.pristine[index],
+                                 f"benchmark iteration {i}: ")
+            program.judged = program.judged or failure
             program.seed = None
             result.verified[name] = result.verified.get(name, 0) + 1
             verifying += time.perf_counter() - t0
@@ -489,14 +495,15 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
     job.add("timing", time.perf_counter() - began - verifying)
     job.add("checks", verifying)
     for name, program in started.items():
-        if name in active and program.active and _still_ok(program) and unready[name]:
-            program.fail(FailureClass.SUSPECT, f"output not ready at the end of the timed region in {unready[name]} "
-                                               f"of {iters} iterations")
-        if name in active:
-            program.agree()
-        _finish(program, teardown=name in active and program.ok)
+        timed = name in active and program.active and _still_ok(program)  # every rank timed every iteration
+        _finish(program, teardown=timed)
+        if timed and program.verdict.ok and unready[name]:
+            program.verdict = program.located(FailureClass.SUSPECT, f"output not ready at the end of the timed region "
+                                                                    f"in {unready[name]} of {iters} iterations")
+        if timed and program.verdict.ok and program.judged is not None:
+            program.verdict = program.judged
         result.verdicts[name] = program.verdict
-        if not program.verdict.ok:
+        if not timed:
             result.times.pop(name, None)
 
 
