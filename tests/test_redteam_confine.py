@@ -390,3 +390,16 @@ def test_an_unprivileged_user_gets_the_namespace_through_a_user_namespace_and_ra
     assert [a[1] for a in answers] == ["in a user namespace", "joined rank 0's"], answers
     assert answers[0][2] == answers[1][2] != os.stat("/proc/self/ns/net").st_ino
     assert answers[0][3] == answers[1][3] == ["lo"]
+
+
+@needs_netns
+@needs_landlock
+def test_the_cuda_probe_confines_a_fresh_interpreter_and_reports_what_cuda_said():
+    """On a machine without GPUs the confined interpreters get as far as asking CUDA for devices
+    (a confinement failure would be reported instead)."""
+    checks = confine.probe_cuda(["everything", "Landlock on writes and signals only"])
+    assert [c.name for c in checks] == ["CUDA under everything", "CUDA under Landlock on writes and signals only"]
+    import torch
+
+    if torch.cuda.device_count() == 0:
+        assert [(c.in_force, c.detail) for c in checks] == [(False, "no CUDA GPU visible")] * 2

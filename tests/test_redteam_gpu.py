@@ -16,7 +16,7 @@ import torch
 
 from commweave.contracts.program import parse_program
 from commweave.evaluate import Evaluator, FailureClass
-from commweave.runtime import WorkerPool
+from commweave.runtime import WorkerPool, confine
 from toy_workload import ToyGatherMatmul
 
 needs_one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")
@@ -60,3 +60,14 @@ def test_hostile_cuda_program_fails_and_the_next_honest_one_passes(evaluator, na
     honest = evaluator.evaluate((TESTS / "programs_cpu" / "host.py").read_text(), SHAPE)
     assert honest.verdict.ok, f"after {name}: {honest.verdict.message}"
     assert 0.5 < honest.fitness < 2.0, f"after {name}: the baseline-equal program measured {honest.fitness:.2f}x"
+
+
+@pytest.mark.gpu
+@needs_one_gpu
+def test_cuda_starts_under_the_confinement_program_processes_get():
+    """A fresh interpreter confined as a program process (network namespace + Landlock) runs a CUDA
+    kernel; if not, the message names which pieces CUDA can and cannot live with."""
+    full = confine.probe_cuda(["everything"])[0]
+    if not full.in_force:
+        lines = "\n".join(c.line() for c in confine.probe_cuda())
+        pytest.fail(f"CUDA does not start under full confinement:\n{lines}")

@@ -435,13 +435,15 @@ def _own_proc_entries() -> list[str]:
 
 
 def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable[Path | str] = (),
-                        readable: Iterable[Path | str] = (), protect: Iterable[Path | str] = ()) -> int:
+                        readable: Iterable[Path | str] = (), protect: Iterable[Path | str] = (),
+                        private_proc: bool = True) -> int:
     """Landlock this process and all it starts later: writes only beneath `writable`, /dev (device
     nodes, /dev/shm); reads everywhere except beneath `deny_read`, `protect` and other processes'
     /proc entries, with `readable` (and `writable`) re-allowed inside denied trees but never over
     a `protect`ed path (a readable folder holding one is granted around it); with ABI >= 6 no
     signals to processes outside this domain. Processes this one starts later cannot read their
-    own /proc/<pid> either. Returns the ABI used; raises ConfineError where Landlock is unavailable."""
+    own /proc/<pid> either (private_proc=False leaves /proc readable). Returns the ABI used;
+    raises ConfineError where Landlock is unavailable."""
     abi = landlock_abi()
     if abi < 1:
         raise ConfineError("Landlock is not available on this kernel")
@@ -452,11 +454,11 @@ def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable
     if ruleset < 0:
         raise ConfineError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
     try:
-        protected = sorted({_real(p) for p in (*protect, "/proc")})
+        protected = sorted({_real(p) for p in (*protect, *(["/proc"] if private_proc else []))})
         deny = sorted({_real(p) for p in deny_read} | set(protected))
         writable_paths = [_real(p) for p in (*writable, "/dev")]
         rules = [(p, FS_READ) for p in _readable_roots(deny)]
-        rules += [(p, FS_READ) for p in _own_proc_entries()]
+        rules += [(p, FS_READ) for p in (_own_proc_entries() if private_proc else [])]
         rules += [(p, FS_READ) for p in _granting_none_of([_real(p) for p in readable], protected)]
         rules += [(p, FS_READ | write) for p in writable_paths]
         for path, access in rules:
@@ -525,14 +527,15 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
                          rendezvous: Path | str | None = None, writable: Iterable[Path | str] = (),
                          deny_read: Iterable[Path | str] = (), keep_fds: Iterable[int] | None = None,
                          network: bool = True, filesystem: bool = True, memory_limit_bytes: int | None = None,
-                         parent: int | None = None) -> list[Check]:
+                         parent: int | None = None, private_reads: bool = True) -> list[Check]:
     """First call in a program process, before candidate code: dies with its parent, leads its own
     session, runs in `workdir` with `env`, joins its program's network namespace (through
     `rendezvous`, the judge-made folder its ranks share; also writable), Landlock (see
     `restrict_filesystem`; `deny_read`, e.g. the run's folder, stays unreadable even where an
     import path holds it), optional data-size limit, then closes fds but `keep_fds` (None: leave
     them). Returns what is in force; raises ConfineError where an asked-for piece cannot be had —
-    pass network=False / filesystem=False where `status()` says the machine lacks it."""
+    pass network=False / filesystem=False where `status()` says the machine lacks it
+    (private_reads=False: Landlock on writes and signals only, for `probe_cuda`)."""
     checks = []
     denied = default_deny_read()  # before the swap below
     protected = [str(Path(workdir).parent), *map(str, deny_read)]  # other candidates, the run: never re-allowed
@@ -562,13 +565,64 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
         checks.append(Check("memory limit", True, f"RLIMIT_DATA {memory_limit_bytes >> 20} MiB"))
     if filesystem:
         extra_writable = [workdir, *writable, *([rendezvous] if rendezvous is not None else [])]
-        abi = restrict_filesystem(writable=extra_writable, deny_read=denied, readable=default_readable(), protect=protected)
+        if private_reads:
+            abi = restrict_filesystem(writable=extra_writable, deny_read=denied, readable=default_readable(),
+                                      protect=protected)
+        else:
+            abi = restrict_filesystem(writable=extra_writable, private_proc=False)
         checks.append(Check("landlock", True, f"ABI {abi}: writes to the private dir and /dev only; run, home, "
                                               f"temp and other processes unreadable{'; no signals out' if abi >= 6 else ''}"))
     else:
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
     if keep_fds is not None:
         close_fds(keep_fds)
+    return checks
+
+
+# -- does CUDA start under it? ---------------------------------------------------------------------
+CUDA_PROBES = {  # name -> confined_child_setup flags; the first is what program processes get
+    "everything": dict(network=True, filesystem=True),
+    "network namespace only": dict(network=True, filesystem=False),
+    "Landlock only": dict(network=False, filesystem=True),
+    "Landlock on writes and signals only": dict(network=False, filesystem=True, private_reads=False),
+}
+_PROBE_CHILD = """
+import json, sys
+from commweave.runtime import confine
+flags = json.loads(sys.argv[3])
+try:
+    confine.confined_child_setup(workdir=sys.argv[1], env=json.loads(sys.argv[2]), **flags)
+    import torch
+    count = torch.cuda.device_count()
+    if count == 0:
+        print(json.dumps({"ok": False, "detail": "no CUDA GPU visible"}))
+    else:
+        value = torch.ones(4, device="cuda").sum().item()
+        print(json.dumps({"ok": value == 4.0, "detail": f"{count} GPU(s), a kernel ran"}))
+except BaseException as exc:
+    print(json.dumps({"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+"""
+
+
+def probe_cuda(names: Iterable[str] | None = None, timeout_s: float = 180.0) -> list[Check]:
+    """Start a fresh interpreter under each confinement of `names` (default: all of CUDA_PROBES)
+    and see whether CUDA initialises and runs a kernel there: which piece, if any, a GPU driver
+    cannot live with. Fresh interpreters, not forks: a fork cannot use CUDA its parent started."""
+    import subprocess
+
+    checks = []
+    for name in names or CUDA_PROBES:
+        with private_workdir() as workdir:
+            env = candidate_env(os.environ, workdir)
+            argv = [sys.executable, "-c", _PROBE_CHILD, str(workdir), json.dumps(env), json.dumps(CUDA_PROBES[name])]
+            try:
+                done = subprocess.run(argv, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s,
+                                      start_new_session=True)
+                lines = done.stdout.strip().splitlines()
+                answer = json.loads(lines[-1]) if lines else {"ok": False, "detail": done.stderr.strip()[-300:]}
+            except (subprocess.TimeoutExpired, ValueError) as exc:
+                answer = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}
+        checks.append(Check(f"CUDA under {name}", answer["ok"], answer["detail"]))
     return checks
 
 
