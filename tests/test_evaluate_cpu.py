@@ -257,7 +257,7 @@ def test_a_destroyed_process_group_fails_only_its_program(evaluator):
 def test_a_daemon_left_behind_is_tampering(evaluator):
     result = evaluator.evaluate(program("spawns_daemon"), BENCH_SHAPE)
     assert result.fitness == 0.0 and result.verdict.failure == FailureClass.TAMPERING, result.verdict.message
-    assert "outlived" in result.verdict.message
+    assert "to outlive it" in result.verdict.message
     assert_host_still_passes(evaluator)
 
 

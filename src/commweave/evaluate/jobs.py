@@ -16,6 +16,7 @@ there (the pool's PYTHONPATH) and constructible without arguments.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import shutil
@@ -119,7 +120,8 @@ class _Job:
         return path.exists
 
     def abort(self, name: str) -> None:
-        (self.dir / f"abort-{name}").touch()
+        with contextlib.suppress(FileNotFoundError):  # rank 0 already removed the folder: the job is over
+            (self.dir / f"abort-{name}").touch()
 
     def rendezvous(self, names: list[str]) -> dict[str, Path]:
         """A fresh folder per program, made by rank 0 and the same on every rank."""
@@ -293,8 +295,8 @@ class _Program:
             remove_rendezvous(self.rendezvous)
         if blame and escaped:
             self.verdict = Verdict.passed()  # the evidence outranks whatever failed before
-            self.fail(FailureClass.TAMPERING, f"{escaped} process(es) it started left its process group and "
-                                              "outlived it (killed)")
+            self.fail(FailureClass.TAMPERING, f"{escaped} process(es) it started left its session or "
+                                              "process tree to outlive it (killed)")
         if blame and not zygote_alive:
             self.verdict = Verdict.passed()
             self.fail(FailureClass.TAMPERING, "its parent (this rank's program zygote) was killed while it ran")

@@ -325,17 +325,19 @@ class ProgramProcess:
 
     def close(self) -> int:
         """Kill the program process's whole tree, then whatever escaped it (double-forked, now our
-        children); remove its private directory. Returns how many escaped processes were killed."""
+        children); remove its private directory. Returns how many processes had escaped: in a
+        session other than the program's, or reparented to the judge."""
         if self.closed:
             return 0
         self.closed = True
         with contextlib.suppress(OSError):
             self.conn.close()
+        left = confine.left_session(self.pid)  # still below it, but in a session of their own
         confine.kill_tree(self.pid)
         self.zygote.exit_code(self.pid)  # let the zygote reap it
-        escaped = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
+        orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
         self.workdir.close()
-        return escaped
+        return len(left) + orphans
 
 
 def make_rendezvous() -> Path:
