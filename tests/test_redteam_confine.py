@@ -78,7 +78,7 @@ def test_env_allowlist_drops_secrets_and_run_paths_and_keeps_what_torch_needs(tm
             "NCCL_NVLS_ENABLE": "1"}
     env = confine.candidate_env(base, tmp_path, extra={"RANK": "1", "HF_TOKEN": "h"})
     for name in ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "MASTER_ADDR",
-                 "MASTER_PORT", "COMMWEAVE_CACHE", "RANK"):
+                 "MASTER_PORT", "RANK"):
         assert env[name] == {**base, "RANK": "1"}[name], name
     for name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID",
                  "SSH_AUTH_SOCK", "NCCL_AUTH_TOKEN", "COMMWEAVE_DB", "COMMWEAVE_LLM_CONFIG", "HF_TOKEN",
@@ -86,8 +86,26 @@ def test_env_allowlist_drops_secrets_and_run_paths_and_keeps_what_torch_needs(tm
         assert name not in env, name
     assert env["HOME"] == str(tmp_path / "home") and env["TMPDIR"] == str(tmp_path / "tmp")
     assert all(env[k] == v for k, v in SAFE_ENV.items())  # forced, even over the base's NCCL_NVLS_ENABLE=1
+    # the judge's compile cache is shared read-only; what the program compiles goes to its own
+    assert env["COMMWEAVE_CACHE_SHARED"] == "/c" and env["COMMWEAVE_CACHE"] == str(tmp_path / "home" / ".cache" / "commweave")
     without_cache = confine.candidate_env({k: v for k, v in base.items() if k != "COMMWEAVE_CACHE"}, tmp_path)
-    assert without_cache["COMMWEAVE_CACHE"] == str(cache_dir())  # the judge's, not one below the new HOME
+    assert without_cache["COMMWEAVE_CACHE_SHARED"] == str(cache_dir())  # the judge's, not one below the new HOME
+    assert confine.candidate_env(base)["COMMWEAVE_CACHE"] == "/c"  # no private folder (the zygote): the judge's
+
+
+def test_a_program_reads_the_shared_compile_cache_and_writes_only_its_own(tmp_path, monkeypatch):
+    from commweave.runtime.compile import compile_cubin
+
+    source = 'extern "C" __global__ void cw_shared_cache_probe(float* p) { p[0] = 1.0f; }'
+    monkeypatch.setenv("COMMWEAVE_CACHE", str(tmp_path / "judge"))
+    compiled = compile_cubin(source)
+    env = confine.candidate_env({"COMMWEAVE_CACHE": str(tmp_path / "judge")}, tmp_path / "program")
+    monkeypatch.setenv("COMMWEAVE_CACHE", env["COMMWEAVE_CACHE"])
+    monkeypatch.setenv("COMMWEAVE_CACHE_SHARED", env["COMMWEAVE_CACHE_SHARED"])
+    again = compile_cubin(source)
+    assert again.cached and again.path == compiled.path
+    fresh = compile_cubin(source.replace("1.0f", "2.0f"))
+    assert not fresh.cached and fresh.path.is_relative_to(tmp_path / "program")
 
 
 # -- private directory -----------------------------------------------------------------------------

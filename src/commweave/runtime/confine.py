@@ -54,7 +54,8 @@ class Check:
 ENV_KEEP = frozenset({
     "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "LANG", "TZ", "TERM", "USER", "LOGNAME",
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "COMMWEAVE_CACHE", "COMMWEAVE_NCCL_HOME", "COMMWEAVE_NVCC",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "COMMWEAVE_CACHE", "COMMWEAVE_CACHE_SHARED", "COMMWEAVE_NCCL_HOME",
+    "COMMWEAVE_NVCC",
 })
 ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "NVSHMEM_", "NVIDIA_", "TORCH_", "PYTORCH_", "TRITON_", "CUBLAS_", "CUDNN_")
 # Dropped even where a name or prefix above matches: whatever looks like a credential.
@@ -73,13 +74,19 @@ def candidate_env(base: Mapping[str, str], workdir: Path | str | None = None,
                   extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a program process is exec'd with: `base` and `extra` through the allowlist,
     HOME/TMPDIR/caches inside `workdir` (its private directory, when given), multicast off, and
-    the compile cache named (cubins the judge's process compiled; read-only under Landlock)."""
+    the judge's compile cache named (with `workdir`: as COMMWEAVE_CACHE_SHARED, read-only, and a
+    private COMMWEAVE_CACHE for what the program compiles itself)."""
     from commweave.runtime.toolchain import cache_dir
 
     env = {k: v for k, v in {**base, **(extra or {})}.items() if env_allowed(k)}
-    env.setdefault("COMMWEAVE_CACHE", str(cache_dir()))  # the judge's cache, not one under the new HOME
+    judges_cache = env.get("COMMWEAVE_CACHE") or str(cache_dir())
+    env["COMMWEAVE_CACHE"] = judges_cache
     if workdir is not None:
         home, tmp = Path(workdir) / "home", Path(workdir) / "tmp"
+        # the judge's cache is read-only to it (a planted artefact would run in other programs);
+        # what it compiles itself goes to a cache of its own
+        env["COMMWEAVE_CACHE_SHARED"] = os.pathsep.join(filter(None, [judges_cache, env.get("COMMWEAVE_CACHE_SHARED")]))
+        env["COMMWEAVE_CACHE"] = str(home / ".cache" / "commweave")
         env.update(HOME=str(home), TMPDIR=str(tmp), XDG_CACHE_HOME=str(home / ".cache"),
                    TRITON_CACHE_DIR=str(home / ".cache" / "triton"),
                    TORCHINDUCTOR_CACHE_DIR=str(home / ".cache" / "inductor"))
@@ -500,12 +507,9 @@ def default_deny_read() -> list[str]:
 def default_readable() -> list[str]:
     """Re-allowed inside denied trees: the Python installation and import path (the package,
     site-packages, the workload's folder), and the compile cache and toolchain (read-only)."""
-    from commweave.runtime.toolchain import cache_dir
-
     paths = [p for p in {sys.prefix, sys.exec_prefix, sys.base_prefix, *sys.path} if p and os.path.exists(p)]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.exists(p)]
-    with contextlib.suppress(Exception):
-        paths.append(str(cache_dir()))
+    paths += [p for p in os.environ.get("COMMWEAVE_CACHE_SHARED", "").split(os.pathsep) if p and os.path.exists(p)]
     for name in ("COMMWEAVE_NCCL_HOME", "CUDA_HOME"):
         if os.environ.get(name):
             paths.append(os.environ[name])
