@@ -1,8 +1,8 @@
 """The red-team corpus (tests/redteam/*.py) through the Evaluator on a 2-rank CPU pool: every
 hostile program ends with a failure verdict (fitness 0, the failure class it deserves), nothing
 leaks (no process of it left, no secret in any verdict or at a listener on 127.0.0.1 outside its
-sandbox, the run database unchanged, no file outside its private folder), and the next honest
-program still passes with a speedup of about 1 against the identical baseline.
+sandbox, the run database and the compile cache unchanged, no file outside its private folder),
+and the next honest program still passes with a speedup of about 1 against the identical baseline.
 
 Programs carry placeholders the test fills in: __RUN_DB__ (the attacker knows the path),
 __LISTENER_PORT__, __OUTSIDE__ (a folder outside the sandbox), __MARKER__ (in the command line of
@@ -28,7 +28,9 @@ import pytest
 from commweave.contracts.program import parse_program
 from commweave.evaluate import Evaluator, FailureClass
 from commweave.runtime import WorkerPool
+from commweave.runtime.compile import CompileError, compile_cubin
 from commweave.runtime.confine import candidates_root
+from commweave.runtime.toolchain import ToolchainError
 from toy_workload import ToyGatherMatmul
 
 TESTS = Path(__file__).parent
@@ -66,6 +68,7 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "sleep_one_rank": {F.TIMEOUT, F.RUNTIME_ERROR},
     "huge_allocation": {F.RUNTIME_ERROR},
     "write_outside": {F.RUNTIME_ERROR},
+    "plant_cubin": {F.RUNTIME_ERROR},
     "read_other_candidates": {F.RUNTIME_ERROR},
     "exit_quietly": {F.RUNTIME_ERROR},
     "close_all_fds": {F.RUNTIME_ERROR},
@@ -104,7 +107,8 @@ class Listener:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Secrets in the environment the pool inherits, a run database the test keeps open, a
-    listener, a folder outside the sandbox; then the pool and its evaluator."""
+    compile cache of the test's own with a cubin in it, a listener, a folder outside the sandbox;
+    then the pool and its evaluators."""
     run_dir = tmp_path_factory.mktemp("redteam_run")
     db_path = run_dir / "redteam_run.sqlite"
     db = sqlite3.connect(db_path)
@@ -112,8 +116,11 @@ def world(tmp_path_factory):
     db.execute("insert into programs values (?, 1.0)", (DB_ROW,))
     db.commit()
     outside = tmp_path_factory.mktemp("redteam_outside")
-    saved = {k: os.environ.get(k) for k in SECRET_VARS}
-    os.environ.update(SECRET_VARS)
+    cache = tmp_path_factory.mktemp("redteam_cache")  # the judge's compile cache, ours alone
+    saved = {k: os.environ.get(k) for k in [*SECRET_VARS, "COMMWEAVE_CACHE"]}
+    os.environ.update(SECRET_VARS, COMMWEAVE_CACHE=str(cache))
+    with contextlib.suppress(ToolchainError, CompileError):  # a cubin in it, where nvcc is here
+        compile_cubin('extern "C" __global__ void cw_redteam_cached(float* p) { p[0] = 1.0f; }')
     listener = Listener()
     paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
     try:
@@ -123,7 +130,8 @@ def world(tmp_path_factory):
             # the honest follow-up times more iterations: blocks of a 10-iteration benchmark are
             # short enough for one burst of another process's load to decide a median
             honest = Evaluator(pool, TOY, warmup=2, iters=HONEST_ITERS, job_timeout_s=JOB_TIMEOUT_S)
-            yield {"evaluator": evaluator, "honest": honest, "db_path": db_path, "outside": outside, "listener": listener}
+            yield {"evaluator": evaluator, "honest": honest, "db_path": db_path, "outside": outside, "listener": listener,
+                   "cache": cache}
     finally:
         listener.server.close()
         db.close()
@@ -195,7 +203,11 @@ def escaped_files(world: dict) -> list[Path]:
 
 
 def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """A file's hash, or a folder's: every file's name and hash below it."""
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256("".join(f"{p.relative_to(path)}:{digest(p)}" for p in sorted(path.rglob("*"))
+                                  if p.is_file()).encode()).hexdigest()
 
 
 def test_the_corpus_is_large_and_every_program_parses_and_has_an_expectation():
@@ -211,7 +223,10 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
     if name in KILLS_ITS_PARENT and not candidates_have_their_own_process:
         pytest.skip("program code runs inside the judge's worker here: this one would kill the test run")
     evaluator: Evaluator = world["evaluator"]
+    if name == "plant_cubin" and not list(world["cache"].rglob("*.cubin")):
+        pytest.skip("no nvcc here: the compile cache holds no cubin to overwrite")
     db_before = digest(world["db_path"])
+    cache_before = digest(world["cache"])
     heard_before = len(world["listener"].received)
 
     result = evaluator.evaluate(program(name, world), SHAPE)
@@ -238,6 +253,8 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
         problems.append(f"it reached the listener: {world['listener'].received[heard_before:]!r:.200}")
     if digest(world["db_path"]) != db_before:
         problems.append("the run database changed")
+    if digest(world["cache"]) != cache_before:
+        problems.append("the judge's compile cache changed")
     if leftovers:
         problems.append(f"it left processes behind: {leftovers}")
     if escaped:
