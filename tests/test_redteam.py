@@ -69,6 +69,7 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "huge_allocation": {F.RUNTIME_ERROR},
     "write_outside": {F.RUNTIME_ERROR},
     "plant_cubin": {F.RUNTIME_ERROR},
+    "inherited_fds": {F.RUNTIME_ERROR},
     "read_other_candidates": {F.RUNTIME_ERROR},
     "exit_quietly": {F.RUNTIME_ERROR},
     "close_all_fds": {F.RUNTIME_ERROR},
