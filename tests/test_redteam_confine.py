@@ -6,6 +6,7 @@ permit are skipped with the reason `confine.status()` gives."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -336,9 +338,20 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
         attempt("list_parent_fds", lambda: os.listdir(f"/proc/{os.getppid()}/fd"))
         attempt("read_own_status", lambda: Path("/proc/self/status").read_text())
         attempt("read_system", lambda: Path("/proc/meminfo").read_text())
+        attempt("name_own_thread", lambda: name_a_thread())
         attempt("signal_parent", lambda: os.kill(os.getppid(), 0))
         attempt("import_torch", lambda: __import__("torch").ones(1))
         return out
+
+    def name_a_thread():  # glibc writes /proc/self/task/<tid>/comm for a thread other than the caller
+        done = threading.Event()
+        thread = threading.Thread(target=done.wait)
+        thread.start()
+        code = ctypes.CDLL(None).pthread_setname_np(ctypes.c_ulong(thread.ident), b"cw-named")
+        done.set()
+        thread.join()
+        if code:
+            raise OSError(code, os.strerror(code))
 
     with confine.private_workdir() as workdir:
         out = in_child(child, workdir)
@@ -348,7 +361,7 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
     assert out["read_run_db"] == out["write_run_db"] == out["write_outside"] == denied
     assert out["read_parent_environ"] == out["read_parent_cmdline"] == out["list_parent_fds"] == denied
     assert out["write_private"] == out["read_own_status"] == out["read_system"] == out["import_torch"] == "allowed"
-    assert out["read_import_path"] == "allowed"
+    assert out["read_import_path"] == out["name_own_thread"] == "allowed"
     assert out["signal_parent"] == (denied if confine.landlock_abi() >= 6 else "allowed")
 
 

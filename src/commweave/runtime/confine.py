@@ -466,6 +466,8 @@ def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable
         writable_paths = [_real(p) for p in (*writable, "/dev")]
         rules = [(p, FS_READ) for p in _readable_roots(deny)]
         rules += [(p, FS_READ) for p in (_own_proc_entries() if private_proc else [])]
+        # its own threads' files (task/<tid>/comm: naming another thread, as CUDA's driver does)
+        rules += [(f"/proc/{os.getpid()}", FS_READ | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))]
         rules += [(p, FS_READ) for p in _granting_none_of([_real(p) for p in readable], protected)]
         rules += [(p, FS_READ | write) for p in writable_paths]
         for path, access in rules:
