@@ -278,3 +278,10 @@ def test_an_honest_copy_of_the_baseline_measures_one(world):
             bench = evaluator.benchmark({CANDIDATE: program("host"), "host": program("host")}, BENCH_SHAPE)
             ratios.append(bench.programs["host"].median_us / bench.programs[CANDIDATE].median_us)
     assert abs(statistics.median(ratios) - 1.0) <= 0.05, ratios
+
+
+def test_values_read_ahead_from_the_shared_block_never_come_up(evaluator):
+    """Its teardown raises if a call's values were ones it had already seen in another set."""
+    bench = evaluator.benchmark({"ahead": program("precomputes_ahead"), "host": program("host")}, BENCH_SHAPE)
+    assert bench.programs["ahead"].verdict.ok, bench.programs["ahead"].verdict.message
+    assert bench.programs["host"].verdict.ok

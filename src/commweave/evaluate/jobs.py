@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from commweave.contracts.context import ProgramContext
 from commweave.contracts.poison import poison_
+from commweave.contracts.profile import H200
 from commweave.contracts.verdict import FailureClass, HarnessError, Verdict, WorkloadError
 from commweave.contracts.workload import Shape, Workload
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
@@ -396,24 +397,15 @@ class RankBench:
     verified: dict[str, int] = field(default_factory=dict)  # timed iterations whose output was judged
 
 
-@dataclass
-class _Rotation:
-    """A program's input sets in the benchmark: which seed each holds, its pristine values and mask."""
-
-    seeds: list[int]  # per timed iteration, drawn by the judges after setup
-    held: list[int] = field(default_factory=list)  # set -> the iteration whose values it holds
-    pristine: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    untouched: list[torch.Tensor | None] = field(default_factory=list)
-
-
 def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
                    budget_s: float) -> RankBench:
     """Time `programs` side by side on `shape`, each in program processes of its own: set each up
     once, rotate input sets (past 2x L2), warm up on every set (at least `warmup` iterations),
-    then interleave timed iterations round-robin. Before every timed iteration its set holds new
-    random values the judges drew after setup (written when the set was last used, so they are
-    not fresh in cache); the output of a random subset of timed iterations, which the program
-    cannot predict, and of its last, is judged against the reference."""
+    then interleave timed iterations round-robin. Every timed iteration runs on new random values
+    the judges drew after setup, written into its set only once the timer's hold is in place (on
+    GPUs behind the gate, then the L2 flushed), so no program sees them before its timed call;
+    the output of a random subset of timed iterations, which the program cannot predict, and of
+    its last, is judged against the reference."""
     wl = resolve_workload(workload)
     job = _Job(ctx, budget_s)
     result = RankBench()
@@ -439,16 +431,15 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         probe = first.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, 0, ctx.device)
     count = _input_set_count(job, probe)
     result.input_sets = count
-    seeds = _fresh_seeds(job, list(programs), max(iters, count) + count)
-    rotations: dict[str, _Rotation] = {}
+    warm = max(warmup, count)
+    seeds = _fresh_seeds(job, list(programs), iters + count + warm)
     for name, program in started.items():
         if program.ok:
             held = program.setup(wl, shape, [probe] * count)
             if program.ok and held is not None:
                 result.memory[name] = held
-                rotations[name] = _Rotation(seeds[name])
                 for index in range(count):  # warm-up values: never those of a timed iteration
-                    _refill(wl, program, shape, rotations[name], index, max(iters, count) + index)
+                    program.fill(index, _draw(wl, program, shape, seeds[name][iters + index])[0])
         program.agree()
     active = {name: p for name, p in started.items() if p.ok}
     if ctx.is_cuda:
@@ -460,39 +451,37 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         result.memory.clear()  # host memory is not measured
     job.add("setup", time.perf_counter() - began)
     began = time.perf_counter()
-    for name, i in interleaved_schedule(list(active), max(warmup, count)):
+    for name, i in interleaved_schedule(list(active), warm):  # fresh values here too: none comes up twice
         program = active[name]
         if program.active and _still_ok(program):
+            program.fill(i % count, _draw(wl, program, shape, seeds[name][iters + count + i])[0])
             program.run(i % count, "warm")
-    for name, program in active.items():
-        if program.active:
-            for index in range(count):
-                _refill(wl, program, shape, rotations[name], index, index)
+    flush = _l2_flush_buffer(ctx)
     unready = {name: 0 for name in active}
     verifying = 0.0
     for name, i in interleaved_schedule(list(active), iters):
         program = active[name]
-        if not (program.active and _still_ok(program)):
+        if not program.active:
+            continue
+        t0 = time.perf_counter()
+        values, untouched = _draw(wl, program, shape, seeds[name][i])
+        verifying += time.perf_counter() - t0
+        if not _still_ok(program):
             continue
         index = i % count
-        seconds, ready = _timed(program, index, rotations[name].untouched[index])
+        seconds, ready = _timed(program, index, values, untouched, flush)
         if seconds is None:
             continue
         result.times.setdefault(name, []).append(seconds)
         unready[name] += not ready
-        rotation = rotations[name]
         if ready and (i == iters - 1 or secrets.randbelow(VERIFY_ONE_IN) == 0):
             t0 = time.perf_counter()
-            program.seed = rotation.seeds[i]
-            failure = _judge_run(wl, program, shape, rotation.seeds[i], program.inputs[index], rotation.pristine[index],
+            program.seed = seeds[name][i]
+            failure = _judge_run(wl, program, shape, seeds[name][i], program.inputs[index], values,
                                  f"benchmark iteration {i}: ")
             program.judged = program.judged or failure
             program.seed = None
             result.verified[name] = result.verified.get(name, 0) + 1
-            verifying += time.perf_counter() - t0
-        if i + count < iters:
-            t0 = time.perf_counter()
-            _refill(wl, program, shape, rotation, index, i + count)
             verifying += time.perf_counter() - t0
     job.add("timing", time.perf_counter() - began - verifying)
     job.add("checks", verifying)
@@ -527,40 +516,44 @@ def _input_set_count(job: _Job, probe: dict[str, torch.Tensor] | None) -> int:
     return int(count.item())
 
 
-def _fresh_seeds(job: _Job, names: list[str], iters: int) -> dict[str, list[int]]:
-    """Per program, one seed per timed iteration (at least one per input set), then one per set
-    for the warm-up: drawn by rank 0's judge now, after the programs
-    started, from the OS's randomness, and the same on every rank."""
-    drawn = [{n: [secrets.randbelow(1 << 40) for _ in range(iters)] for n in names} if job.ctx.rank == 0 else None]
+def _fresh_seeds(job: _Job, names: list[str], count: int) -> dict[str, list[int]]:
+    """Per program, `count` seeds (one per timed iteration, then per input set, then per warm-up
+    iteration): drawn by rank 0's judge after the programs started, from the OS's randomness, the
+    same on every rank."""
+    drawn = [{n: [secrets.randbelow(1 << 40) for _ in range(count)] for n in names} if job.ctx.rank == 0 else None]
     dist.broadcast_object_list(drawn, src=0, group=job.group)
     return drawn[0]
 
 
-def _refill(wl: Workload, program: _Program, shape: Shape, rotation: _Rotation, index: int, iteration: int) -> None:
-    """Input set `index` gets the values of timed iteration `iteration`."""
+def _draw(wl: Workload, program: _Program, shape: Shape, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """This rank's inputs of `seed` and its untouched mask, in the judge's own memory."""
     ctx = program.ctx
-    seed = rotation.seeds[iteration]
     values = program.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seed, ctx.device)
     untouched = program.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    program.fill(index, values)
-    if len(rotation.held) <= index:
-        rotation.held.append(iteration)
-        rotation.pristine.append(values)
-        rotation.untouched.append(untouched)
-    else:
-        rotation.held[index], rotation.pristine[index], rotation.untouched[index] = iteration, values, untouched
+    return values, untouched
 
 
-def _timed(program: _Program, index: int, untouched: torch.Tensor | None) -> tuple[float | None, bool]:
-    """One timed run, measured by the judge: (seconds, output ready when the timer stopped), or
-    (None, False) when the run failed. CPU: the wall time of the round trip (request, run, answer).
-    GPUs: CUDA events on the judge's stream, held until the run is queued (`hold_stream`), ranks
-    lined up by a device barrier, with the program's stream waiting for the judge's 'go' event and
-    the judge's end event waiting for the program's 'done' event; the output is checked for poison
-    right after the end event, on the judge's stream."""
-    ctx = program.ctx
-    poison_(program.out)
+def _l2_flush_buffer(ctx: ProgramContext) -> torch.Tensor | None:
+    """GPUs: 2x L2 of scratch the judge zeroes before each timed run, so inputs written just before
+    it are not served from cache."""
     if not ctx.is_cuda:
+        return None
+    return torch.empty(2 * H200.l2_bytes, dtype=torch.uint8, device=ctx.device)
+
+
+def _timed(program: _Program, index: int, values: dict[str, torch.Tensor], untouched: torch.Tensor | None,
+           flush: torch.Tensor | None) -> tuple[float | None, bool]:
+    """One timed run on input set `index`, which gets `values` only now, measured by the judge:
+    (seconds, output ready when the timer stopped), or (None, False) when the run failed.
+    CPU: the wall time of the round trip (request, run, answer). GPUs: CUDA events on the judge's
+    stream, held until the run is queued (`hold_stream`); behind the hold the judge writes the
+    values, poisons the output and flushes L2, lines the GPUs up (device barrier), records its
+    start event and the 'go' event the program's stream waits for; its end event waits for the
+    program's 'done' event, and the output is checked for poison right after it."""
+    ctx = program.ctx
+    if not ctx.is_cuda:
+        program.fill(index, values)
+        poison_(program.out)
         began = time.perf_counter()
         program.call("run()", ("run", index, "timed"))
         seconds = time.perf_counter() - began
@@ -569,6 +562,9 @@ def _timed(program: _Program, index: int, untouched: torch.Tensor | None) -> tup
         return seconds, not bool(not_ready(program.out, untouched))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     release = ctx.hold_stream()
+    program.fill(index, values)
+    poison_(program.out)
+    flush.zero_()
     if ctx.world_size > 1:
         ctx.device_barrier()
     start.record()
