@@ -8,8 +8,11 @@ Runs the toy gather-matmul workload (tests/toy_workload.py; W = 1 is its one-GPU
 host program as the candidate: each candidate goes through `Evaluator.evaluate` (compile, checks on
 the check shapes and the bench shape, benchmark beside the baseline). Reports candidates/min after
 the pool started (pool start separately), the evaluator-side split (check job vs benchmark job)
-and, where the evaluator reports them (`Evaluator.phases`), the judge-side phases: program process
-start, gloo/NCCL init, setup, checks, timing. Writes bench/results/judge-throughput-<device>-<W>-<UTC>.json.
+and, where the evaluator reports them (`Evaluator.phases`), the judge-side phases: `start` (fork of
+the program processes until they are confined and their process group is up), `init` (of that,
+the process group and rank context: gloo, or CUDA + NCCL), `setup` (load, setup(), sharing the
+buffers), `checks` (runs judged and the verification of timed outputs, with the judge drawing
+fresh values), `timing` (warm-up and timed iterations). Writes bench/results/judge-throughput-<device>-<W>-<UTC>.json.
 """
 
 from __future__ import annotations

@@ -106,7 +106,6 @@ class _Job:
         self.ctx = ctx
         self.group = _harness_group()
         self.deadline = time.monotonic() + budget_s
-        self.budget_s = budget_s
         folder = [tempfile.mkdtemp(prefix="cw_judge_") if ctx.rank == 0 else None]
         dist.broadcast_object_list(folder, src=0, group=self.group)
         self.dir = Path(folder[0])
