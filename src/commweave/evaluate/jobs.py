@@ -443,6 +443,7 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
     active = {name: p for name, p in started.items() if p.ok}
     if ctx.is_cuda:
         for name, program in active.items():
+            program.go.record()
             peak = program.call("memory measurement", ("memory", 0))
             if program.agree():
                 result.memory[name] += peak

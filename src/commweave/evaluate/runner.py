@@ -92,6 +92,7 @@ class _Served:
 
     def memory(self, index: int) -> int:
         """What two calls add at their peak and keep (workspaces, graph pools)."""
+        torch.cuda.current_stream(self.ctx.device).wait_event(self.go)  # the judge's writes to the inputs
         torch.cuda.synchronize(self.ctx.device)
         before = held_bytes(self.ctx)
         torch.cuda.reset_peak_memory_stats(self.ctx.device)
