@@ -51,9 +51,9 @@ class _Served:
         return unavailable_reason(self.program, self.ctx)
 
     def setup(self, shape: Any, symmetric_bytes: int) -> int:
-        before = held_bytes(self.ctx)
-        if symmetric_bytes:
+        if symmetric_bytes:  # the harness's output, not counted as the program's memory
             self.symmetric = self.ctx.symmetric((symmetric_bytes,), torch.uint8, zero=False)
+        before = held_bytes(self.ctx)
         self.state = self.program.setup(self.ctx, shape)
         return held_bytes(self.ctx) - before
 
