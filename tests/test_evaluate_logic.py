@@ -375,3 +375,26 @@ def test_phases_are_the_slowest_ranks():
     evaluator = Evaluator(_ScriptedPool(_passing_check()), ToyGatherMatmul())
     assert evaluator.check((PROGRAMS / "host.py").read_text()).ok
     assert evaluator.phases == {"start": 3.0}
+
+
+def _bench_job(verdicts: dict[str, Verdict]) -> JobResult:
+    from commweave.evaluate.jobs import RankBench
+
+    ranks = [RankBench(input_sets=2, times={n: [1e-3] * 3 for n, v in verdicts.items() if v.ok}, verdicts=dict(verdicts))
+             for _ in range(2)]
+    return JobResult("ok", ranks, [None, None], elapsed_s=1.0)
+
+
+@pytest.mark.parametrize("beside, alone, expected", [
+    (Verdict.failed(FailureClass.NAN, "output has 3 NaN"), Verdict.passed(), FailureClass.TAMPERING),
+    (Verdict.failed(FailureClass.TIMEOUT, "run(): no answer within 8.0 s"), None, FailureClass.TIMEOUT),
+])
+def test_a_baseline_failing_only_beside_the_candidate_is_the_candidates_doing(beside, alone, expected):
+    shape = ToyGatherMatmul().make_shape(4, 4, 4)
+    jobs = [_passing_check(), _passing_check(), _bench_job({"candidate": Verdict.passed(), "host": beside})]
+    if alone is not None:
+        jobs.append(_bench_job({"host": alone}))
+    pool = _ScriptedPool(*jobs)
+    result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(), shape)
+    assert result.fitness == 0.0 and result.verdict.failure == expected, result.verdict.message
+    assert "'host'" in result.verdict.message and not pool.results

@@ -222,7 +222,12 @@ class Evaluator:
         bench = self.benchmark(to_time, shape)
         candidate = bench.programs[CANDIDATE]
         sabotaged = [n for n in to_time if n != CANDIDATE and not bench.programs[n].verdict.ok]
-        if sabotaged and candidate.verdict.ok:
+        late = [n for n in sabotaged if bench.programs[n].verdict.failure == FailureClass.TIMEOUT]
+        if late and candidate.verdict.ok:  # the job's time ran out: a slow candidate, no sabotage
+            blame = Verdict.failed(FailureClass.TIMEOUT, f"the benchmark ran out of time beside it (baseline "
+                                   f"{late[0]!r}: {bench.programs[late[0]].verdict.message})")
+            candidate = ProgramTiming(CANDIDATE, blame)
+        elif sabotaged and candidate.verdict.ok:
             alone = self.benchmark({n: to_time[n] for n in sabotaged}, shape)
             cleared = [n for n in sabotaged if alone.programs[n].verdict.ok]
             if cleared:
