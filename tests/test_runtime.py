@@ -286,3 +286,30 @@ def test_shared_buffers_reach_another_process_by_fd_only():
     assert torch.equal(buffers.tensors["in0.b"], torch.full((7,), -3, dtype=torch.int64))
     assert not any("commweave-buffers" in name for name in os.listdir("/dev/shm"))
     buffers.close()
+
+
+def test_confinement_a_program_cannot_start_under_is_given_up_with_a_warning(monkeypatch):
+    """On GPUs the judge first starts a throwaway program process; the same logic here, with an entry
+    point that cannot be resolved under Landlock: the judge drops Landlock, says so, and goes on."""
+    from commweave.runtime import candidate, confine
+    from commweave.runtime.candidate import Confinement, ProgramStartError, _startable
+
+    if confine.landlock_abi() < 1:
+        pytest.skip("no Landlock on this kernel")
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *sys.path]))  # for this process's zygote
+    from landlocked_serve import MARKER
+
+    MARKER.write_text("readable without Landlock")
+    try:
+        with pytest.warns(UserWarning, match="Landlock False"):
+            rules = _startable(Confinement(network=False, filesystem=True), "landlocked_serve:serve", "cpu")
+        assert rules.network is False and rules.filesystem is False and "PermissionError" in rules.dropped
+        MARKER.unlink()
+        with pytest.raises(ProgramStartError, match="no program process can start"):
+            _startable(Confinement(network=False, filesystem=False), "landlocked_serve:serve", "cpu")
+    finally:
+        MARKER.unlink(missing_ok=True)
+        if candidate._ZYGOTE is not None:
+            candidate._ZYGOTE.close()
+            candidate._ZYGOTE = None

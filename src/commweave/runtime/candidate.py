@@ -204,13 +204,13 @@ def confinement(device: str, serve: str) -> Confinement:
     global _CONFINEMENT
     if _CONFINEMENT is None:
         offered = Confinement(network=confine.net_namespace_available() is None, filesystem=confine.landlock_abi() >= 1)
-        _CONFINEMENT = _startable(offered, serve) if device == "cuda" else offered
+        _CONFINEMENT = _startable(offered, serve, device) if device == "cuda" else offered
     return _CONFINEMENT
 
 
-def _startable(offered: Confinement, serve: str) -> Confinement:
-    """Start a throwaway program process (a world of one: CUDA context and NCCL communicator) under
-    `offered`; where it cannot start, try without Landlock, then without the network namespace,
+def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
+    """Start a throwaway program process (a world of one; on GPUs its CUDA context and NCCL
+    communicator) under `offered`; where it cannot start, try without Landlock, then without the network namespace,
     then without both, and warn which was dropped: a judge whose programs cannot start on its GPUs
     judges nothing at all."""
     tries = [offered, replace(offered, filesystem=False), replace(offered, network=False), Confinement(False, False)]
@@ -218,7 +218,7 @@ def _startable(offered: Confinement, serve: str) -> Confinement:
     for rules in dict.fromkeys(tries):
         rendezvous = make_rendezvous()
         try:
-            proc = ProgramProcess.spawn(rank=0, world_size=1, device="cuda", rendezvous=rendezvous, serve=serve,
+            proc = ProgramProcess.spawn(rank=0, world_size=1, device=device, rendezvous=rendezvous, serve=serve,
                                         rules=rules)
             proc.await_ready(time.monotonic() + ZYGOTE_START_S, lambda: False)
             proc.close()
@@ -231,10 +231,10 @@ def _startable(offered: Confinement, serve: str) -> Confinement:
             return rules
         dropped = "; ".join(failures)
         warnings.warn(f"program processes run with less confinement on this machine (network namespace "
-                      f"{rules.network}, Landlock {rules.filesystem}); CUDA could not start with more: {dropped}",
+                      f"{rules.network}, Landlock {rules.filesystem}); none could start with more: {dropped}",
                       stacklevel=2)
         return replace(rules, dropped=dropped)
-    raise ProgramStartError("no program process can start CUDA on this machine: " + "; ".join(failures))
+    raise ProgramStartError("no program process can start on this machine: " + "; ".join(failures))
 
 
 # -- judge side: one program process --------------------------------------------------------------
