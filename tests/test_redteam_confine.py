@@ -339,6 +339,11 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
         attempt("read_own_status", lambda: Path("/proc/self/status").read_text())
         attempt("read_system", lambda: Path("/proc/meminfo").read_text())
         attempt("name_own_thread", lambda: name_a_thread())
+        attempt("use_dev_shm_and_null", lambda: (Path("/dev/shm") / f"cw_{os.getpid()}").write_text("x")
+                or (Path("/dev/shm") / f"cw_{os.getpid()}").unlink() or Path("/dev/null").write_text("x")
+                or os.close(os.open("/dev/urandom", os.O_RDONLY)))
+        attempt("read_kernel_log", lambda: os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)))
+        attempt("list_dev", lambda: os.listdir("/dev"))
         attempt("signal_parent", lambda: os.kill(os.getppid(), 0))
         attempt("import_torch", lambda: __import__("torch").ones(1))
         return out
@@ -361,7 +366,8 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
     assert out["read_run_db"] == out["write_run_db"] == out["write_outside"] == denied
     assert out["read_parent_environ"] == out["read_parent_cmdline"] == out["list_parent_fds"] == denied
     assert out["write_private"] == out["read_own_status"] == out["read_system"] == out["import_torch"] == "allowed"
-    assert out["read_import_path"] == out["name_own_thread"] == "allowed"
+    assert out["read_import_path"] == out["name_own_thread"] == out["use_dev_shm_and_null"] == "allowed"
+    assert out["list_dev"] == denied and out["read_kernel_log"] in (denied, "FileNotFoundError")  # a device root could read
     assert out["signal_parent"] == (denied if confine.landlock_abi() >= 6 else "allowed")
 
 

@@ -7,9 +7,10 @@ environment, given at exec so nothing else is in /proc/self/environ), `private_w
 spawned, double-forked or not, is found and killed). Untrusted side, first thing in the program
 process: `confined_child_setup` (die with the parent, own session, no new privileges, the shared
 network namespace of the candidate's ranks with loopback up, Landlock: writes only to the private
-directory, /dev and named paths, reads away from the run, the judge's home and working directory,
-no signal or ptrace/proc access to processes outside). `status` says what is in force on this
-machine (`commweave doctor`). Linux only; ctypes syscalls, standard library only.
+directory, /dev/shm, GPU device nodes and named paths, reads away from the run, the judge's home
+and working directory, disks and the kernel log, no signal or /proc access to processes outside).
+`status` says what is in force on this machine (`commweave doctor`). Linux only; ctypes
+syscalls, standard library only.
 """
 
 from __future__ import annotations
@@ -433,6 +434,17 @@ def _granting_none_of(paths: Iterable[str], protect: list[str]) -> list[str]:
     return granted
 
 
+# Device nodes a program process may open (read and write), by name prefix: shared memory, the
+# harmless character devices, NVIDIA's GPU/UVM/NVSwitch/capability nodes, RDMA (NCCL's network
+# plugins). Never a disk, /dev/mem, the kernel log or a terminal: as root those would read the
+# very files the other rules deny.
+DEVICES = ("shm", "null", "zero", "full", "random", "urandom", "nvidia", "infiniband", "hugepages")
+
+
+def _device_paths() -> list[str]:
+    return [os.path.join("/dev", e) for e in sorted(os.listdir("/dev")) if e.startswith(DEVICES)]
+
+
 def _own_proc_entries() -> list[str]:
     """/proc as a program process may read it: its own /proc/<pid> and the system-wide entries
     (cpuinfo, meminfo, sys/, driver/, ...), never another process's directory (environ, cmdline,
@@ -444,10 +456,11 @@ def _own_proc_entries() -> list[str]:
 def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable[Path | str] = (),
                         readable: Iterable[Path | str] = (), protect: Iterable[Path | str] = (),
                         private_proc: bool = True) -> int:
-    """Landlock this process and all it starts later: writes only beneath `writable`, /dev (device
-    nodes, /dev/shm); reads everywhere except beneath `deny_read`, `protect` and other processes'
-    /proc entries, with `readable` (and `writable`) re-allowed inside denied trees but never over
-    a `protect`ed path (a readable folder holding one is granted around it); with ABI >= 6 no
+    """Landlock this process and all it starts later: writes only beneath `writable` and the
+    DEVICES of /dev (/dev/shm, GPU nodes); reads everywhere except beneath `deny_read`, `protect`,
+    other processes' /proc entries and the rest of /dev, with `readable` (and `writable`)
+    re-allowed inside denied trees but never over a `protect`ed path (a readable folder holding
+    one is granted around it); with ABI >= 6 no
     signals to processes outside this domain. Processes this one starts later cannot read their
     own /proc/<pid> either (private_proc=False leaves /proc readable). Returns the ABI used;
     raises ConfineError where Landlock is unavailable."""
@@ -462,8 +475,8 @@ def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable
         raise ConfineError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
     try:
         protected = sorted({_real(p) for p in (*protect, *(["/proc"] if private_proc else []))})
-        deny = sorted({_real(p) for p in deny_read} | set(protected))
-        writable_paths = [_real(p) for p in (*writable, "/dev")]
+        deny = sorted({_real(p) for p in (*deny_read, "/dev")} | set(protected))
+        writable_paths = [_real(p) for p in (*writable, *_device_paths())]
         rules = [(p, FS_READ) for p in _readable_roots(deny)]
         rules += [(p, FS_READ) for p in (_own_proc_entries() if private_proc else [])]
         # its own threads' files (task/<tid>/comm: naming another thread, as CUDA's driver does)
@@ -576,8 +589,9 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
                                       protect=protected)
         else:
             abi = restrict_filesystem(writable=extra_writable, private_proc=False)
-        checks.append(Check("landlock", True, f"ABI {abi}: writes to the private dir and /dev only; run, home, "
-                                              f"temp and other processes unreadable{'; no signals out' if abi >= 6 else ''}"))
+        checks.append(Check("landlock", True, f"ABI {abi}: writes to the private dir, /dev/shm and GPU nodes only; "
+                                              f"run, home, temp, disks and other processes unreadable"
+                                              f"{'; no signals out' if abi >= 6 else ''}"))
     else:
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
     if keep_fds is not None:
@@ -645,8 +659,8 @@ def status() -> list[Check]:
     except (OSError, ConfineError) as exc:
         checks.append(Check("private dir", False, f"cannot create one: {exc}"))
     abi = landlock_abi()
-    checks.append(Check("landlock", abi >= 1, f"ABI {abi}: writes only to its private dir and /dev; no reads of "
-                        f"temp, home, the judge's cwd, the run or other processes' /proc"
+    checks.append(Check("landlock", abi >= 1, f"ABI {abi}: writes only to its private dir, /dev/shm and GPU nodes; "
+                        f"no reads of temp, home, the judge's cwd, the run, disks or other processes' /proc"
                         f"{'; no signals out' if abi >= 6 else ''}" if abi else
                         "unavailable on this kernel: a candidate can read every file this user can "
                         "(the DB path is still never passed, fds are still closed)"))
