@@ -343,6 +343,7 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
                 or (Path("/dev/shm") / f"cw_{os.getpid()}").unlink() or Path("/dev/null").write_text("x")
                 or os.close(os.open("/dev/urandom", os.O_RDONLY)))
         attempt("read_kernel_log", lambda: os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)))
+        attempt("read_proc_kmsg", lambda: os.close(os.open("/proc/kmsg", os.O_RDONLY | os.O_NONBLOCK)))
         attempt("list_dev", lambda: os.listdir("/dev"))
         attempt("signal_parent", lambda: os.kill(os.getppid(), 0))
         attempt("import_torch", lambda: __import__("torch").ones(1))
@@ -367,7 +368,8 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
     assert out["read_parent_environ"] == out["read_parent_cmdline"] == out["list_parent_fds"] == denied
     assert out["write_private"] == out["read_own_status"] == out["read_system"] == out["import_torch"] == "allowed"
     assert out["read_import_path"] == out["name_own_thread"] == out["use_dev_shm_and_null"] == "allowed"
-    assert out["list_dev"] == denied and out["read_kernel_log"] in (denied, "FileNotFoundError")  # a device root could read
+    assert out["list_dev"] == denied  # and no kernel log, which root could otherwise read:
+    assert out["read_kernel_log"] in (denied, "FileNotFoundError") and out["read_proc_kmsg"] in (denied, "FileNotFoundError")
     assert out["signal_parent"] == (denied if confine.landlock_abi() >= 6 else "allowed")
 
 

@@ -445,11 +445,17 @@ def _device_paths() -> list[str]:
     return [os.path.join("/dev", e) for e in sorted(os.listdir("/dev")) if e.startswith(DEVICES)]
 
 
+# System-wide /proc entries that show more than this process's business: physical memory and
+# page maps, the kernel log, the kernel's keyrings.
+PROC_WITHHELD = frozenset({"kcore", "kmsg", "kpagecount", "kpageflags", "kpagecgroup", "keys", "key-users",
+                           "sysrq-trigger", "self", "thread-self"})
+
+
 def _own_proc_entries() -> list[str]:
     """/proc as a program process may read it: its own /proc/<pid> and the system-wide entries
-    (cpuinfo, meminfo, sys/, driver/, ...), never another process's directory (environ, cmdline,
-    fd/, maps of the judge or of anyone else); /proc itself cannot be listed."""
-    entries = [os.path.join("/proc", e) for e in os.listdir("/proc") if not e.isdigit() and e not in ("self", "thread-self")]
+    (cpuinfo, meminfo, sys/, driver/, ...) but PROC_WITHHELD, never another process's directory
+    (environ, cmdline, fd/, maps of the judge or of anyone else); /proc itself cannot be listed."""
+    entries = [os.path.join("/proc", e) for e in os.listdir("/proc") if not e.isdigit() and e not in PROC_WITHHELD]
     return [*entries, f"/proc/{os.getpid()}"]
 
 
