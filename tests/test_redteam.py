@@ -6,7 +6,8 @@ and the next honest program still passes with a speedup of about 1 against the i
 
 Programs carry placeholders the test fills in: __RUN_DB__ (the attacker knows the path),
 __LISTENER_PORT__, __OUTSIDE__ (a folder outside the sandbox), __MARKER__ (in the command line of
-every process a program leaves behind, so the test can find and end it)."""
+every process a program leaves behind, so the test can find and end it; "<marker>-got" in a
+verdict reports a step of an attack that worked)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "write_outside": {F.RUNTIME_ERROR},
     "plant_cubin": {F.RUNTIME_ERROR},
     "inherited_fds": {F.RUNTIME_ERROR},
+    "read_devices": {F.RUNTIME_ERROR},
     "read_other_candidates": {F.RUNTIME_ERROR},
     "exit_quietly": {F.RUNTIME_ERROR},
     "close_all_fds": {F.RUNTIME_ERROR},
@@ -79,7 +81,8 @@ KILLS_ITS_PARENT = {"kill_parent", "kill_judge_group", "kill_own_group"}
 # Stopped only by Landlock (files, other processes' /proc) or by a network namespace: where the
 # machine has neither, these leak, and the test says why instead of failing.
 NEEDS_LANDLOCK = {"write_run_db", "read_run_db", "secret_parent_environ", "secret_scan_proc", "parent_cmdline",
-                  "parent_fds", "open_parent_mem", "write_outside", "read_other_candidates", "plant_cubin"}
+                  "parent_fds", "open_parent_mem", "write_outside", "read_other_candidates", "plant_cubin",
+                  "read_devices"}
 NEEDS_NETNS = {"socket_exfil"}
 JOB_TIMEOUT_S = 20  # the sleeper waits this long; honest jobs take well under a second here
 HONEST_ITERS = 100
@@ -251,6 +254,8 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
     elif result.verdict.failure not in EXPECTED[name]:
         problems.append(f"failed as {result.verdict.failure}, expected {'/'.join(sorted(EXPECTED[name]))}: "
                         f"{result.verdict.message}")
+    if f"{MARKER}-got" in said:
+        problems.append(f"a step of the attack worked: {said[said.index(MARKER):][:300]}")
     if SECRET in said:
         problems.append("a secret reached a verdict")
     if DB_ROW in said:
