@@ -120,11 +120,17 @@ def private_workdir(root: Path | None = None) -> Iterator[Path]:
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also removes what a candidate made unwritable (chmod 0) inside."""
+    """rmtree that also removes what a candidate made unwritable (chmod 0) inside. Only folders
+    are unlocked, through descriptors opened without following links: a link the candidate left
+    never makes us chmod its target."""
     def unlock(func, name, _exc):  # noqa: ANN001 - shutil's onerror signature
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(name), 0o700)
-            os.chmod(name, 0o700)
+        for folder in (os.path.dirname(name), name):
+            with contextlib.suppress(OSError):
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    os.fchmod(fd, 0o700)
+                finally:
+                    os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             func(name)
 
