@@ -24,7 +24,7 @@ TESTS = Path(__file__).parent
 PROGRAMS = TESTS / "programs_cpu"
 TOY = ToyGatherMatmul()
 BENCH_SHAPE = TOY.make_shape(64, 64, 64)
-MAX_TIMING_LOAD = 3.0  # runnable processes per core above which CPU timings are too noisy to compare to 5 %
+MAX_TIMING_LOAD = 2.5  # runnable processes per core above which CPU timings are too noisy to compare to 5 %
 
 
 def program(name: str) -> str:
@@ -264,7 +264,7 @@ def test_a_daemon_left_behind_is_tampering(evaluator):
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_honest_copy_of_the_baseline_measures_one(world):
     """Timed from the judges' side, a program identical to the baseline scores 1.0 within 5 %
-    (the median of three benchmarks of 400 iterations each). Every iteration wakes a program
+    (the median of five benchmarks of 400 iterations each). Every iteration wakes a program
     process and its judge: on a machine with several runnable processes per core, scheduling
     delays of milliseconds swamp 5 %, and the test says so instead of measuring noise."""
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
@@ -274,7 +274,7 @@ def test_an_honest_copy_of_the_baseline_measures_one(world):
     with WorkerPool(world, device="cpu", job_timeout_s=120, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as p:
         evaluator = Evaluator(p, TOY, warmup=5, iters=400)
         ratios = []
-        for _ in range(3):
+        for _ in range(5):
             bench = evaluator.benchmark({CANDIDATE: program("host"), "host": program("host")}, BENCH_SHAPE)
             ratios.append(bench.programs["host"].median_us / bench.programs[CANDIDATE].median_us)
     assert abs(statistics.median(ratios) - 1.0) <= 0.05, ratios
