@@ -72,6 +72,7 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "plant_cubin": {F.RUNTIME_ERROR},
     "inherited_fds": {F.RUNTIME_ERROR},
     "read_devices": {F.RUNTIME_ERROR},
+    "ptrace_parent": {F.RUNTIME_ERROR},
     "read_other_candidates": {F.RUNTIME_ERROR},
     "exit_quietly": {F.RUNTIME_ERROR},
     "close_all_fds": {F.RUNTIME_ERROR},
@@ -82,7 +83,7 @@ KILLS_ITS_PARENT = {"kill_parent", "kill_judge_group", "kill_own_group"}
 # machine has neither, these leak, and the test says why instead of failing.
 NEEDS_LANDLOCK = {"write_run_db", "read_run_db", "secret_parent_environ", "secret_scan_proc", "parent_cmdline",
                   "parent_fds", "open_parent_mem", "write_outside", "read_other_candidates", "plant_cubin",
-                  "read_devices"}
+                  "read_devices", "ptrace_parent"}
 NEEDS_NETNS = {"socket_exfil"}
 JOB_TIMEOUT_S = 20  # the sleeper waits this long; honest jobs take well under a second here
 HONEST_ITERS = 100

@@ -441,10 +441,10 @@ def _granting_none_of(paths: Iterable[str], protect: list[str]) -> list[str]:
 
 
 # Device nodes a program process may open (read and write), by name prefix: shared memory, the
-# harmless character devices, NVIDIA's GPU/UVM/NVSwitch/capability nodes, RDMA (NCCL's network
-# plugins). Never a disk, /dev/mem, the kernel log or a terminal: as root those would read the
+# harmless character devices, NVIDIA's GPU/UVM/NVSwitch/capability nodes, RDMA and GDRCopy (NCCL's
+# network plugins). Never a disk, /dev/mem, the kernel log or a terminal: as root those would read the
 # very files the other rules deny.
-DEVICES = ("shm", "null", "zero", "full", "random", "urandom", "nvidia", "infiniband", "hugepages")
+DEVICES = ("shm", "null", "zero", "full", "random", "urandom", "nvidia", "infiniband", "gdrdrv", "hugepages")
 
 
 def _device_paths() -> list[str]:
