@@ -3,7 +3,7 @@
 The judge allocates one block per program and rank, views tensors into it by a layout, and hands
 the block to the program process once: on CPU an anonymous memfd (no name anyone else could open)
 sent as a file descriptor over their unix socket and mapped on both sides; on GPUs a CUDA
-allocation exported by CUDA IPC (torch's reductions). The judge then writes fresh values, poisons
+allocation of a memory pool of its own, exported by CUDA IPC (torch's reductions). The judge then writes fresh values, poisons
 the output and reads it back in its own process; the program process only ever sees this block.
 """
 
@@ -58,8 +58,13 @@ class SharedBuffers:
         self.device = device
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
+        self._pool: object = None
         if device.type == "cuda":
-            self.block = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            # CUDA IPC maps the block's whole allocation: a pool of its own keeps every other tensor
+            # of the judge (the next values, other programs' buffers) out of that allocation
+            self._pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(self._pool, device=device):
+                self.block = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         else:
             self._fd = os.memfd_create("commweave-buffers", os.MFD_CLOEXEC)
             os.ftruncate(self._fd, self.nbytes)
@@ -80,6 +85,7 @@ class SharedBuffers:
         self.tensors = {}
         self.block = None
         self._map = None
+        self._pool = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
