@@ -93,6 +93,8 @@ def test_env_allowlist_drops_secrets_and_run_paths_and_keeps_what_torch_needs(tm
     without_cache = confine.candidate_env({k: v for k, v in base.items() if k != "COMMWEAVE_CACHE"}, tmp_path)
     assert without_cache["COMMWEAVE_CACHE_SHARED"] == str(cache_dir())  # the judge's, not one below the new HOME
     assert confine.candidate_env(base)["COMMWEAVE_CACHE"] == "/c"  # no private folder (the zygote): the judge's
+    runs = {"COMMWEAVE_DENY_READ": os.pathsep.join(["/data/runs", "/srv/db"])}
+    assert confine.run_paths(runs) == ["/data/runs", "/srv/db"] and "COMMWEAVE_DENY_READ" not in confine.candidate_env(runs)
 
 
 def test_a_program_reads_the_shared_compile_cache_and_writes_only_its_own(tmp_path, monkeypatch):

@@ -95,6 +95,17 @@ def candidate_env(base: Mapping[str, str], workdir: Path | str | None = None,
     return env
 
 
+RUN_PATHS_ENV = "COMMWEAVE_DENY_READ"
+
+
+def run_paths(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The run's folders (its database, logs) that candidates must not read, wherever they are:
+    $COMMWEAVE_DENY_READ (os.pathsep-separated), set for the pool by whoever knows the run; the
+    judge passes them as `confined_child_setup(deny_read=...)`. The variable itself, like every
+    COMMWEAVE_* path, never reaches a candidate's environment."""
+    return [p for p in env.get(RUN_PATHS_ENV, "").split(os.pathsep) if p]
+
+
 # -- private directory ------------------------------------------------------------------------------
 def candidates_root() -> Path:
     """The folder holding every candidate's private directory (0700, one per machine user)."""
