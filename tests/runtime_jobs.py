@@ -30,3 +30,8 @@ def exit_on_rank0(ctx) -> None:
     if ctx.rank == 0:
         os._exit(9)
     time.sleep(3600)
+
+
+def torch_mm_is_pristine(ctx) -> bool:
+    """Whether this judge's torch.mm is still torch's own (no program code ran here)."""
+    return torch.mm is torch._C._VariableFunctions.mm

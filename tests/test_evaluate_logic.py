@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from commweave.evaluate import EvaluationError, Evaluator, FailureClass, MachineRates, Verdict, floor_s
+from commweave.contracts.verdict import InfrastructureError
 from commweave.contracts.poison import poison_, poisoned_mask
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
 from commweave.contracts.result import EvalResult
@@ -322,3 +323,78 @@ def test_memory_is_the_largest_over_ranks_and_absent_where_not_measured():
              RankBench(times={"a": [2e-3], "b": [1e-3]}, verdicts={"a": ok, "b": ok}, memory={"a": 7 << 20})]
     assert Evaluator._timing("a", ranks, 1e-6).memory_bytes == 7 << 20
     assert Evaluator._timing("b", ranks, 1e-6).memory_bytes is None  # e.g. CPU pools: not measured
+
+
+# -- blame: the candidate or the machine ------------------------------------------------------------
+class _ScriptedPool:
+    """A pool whose jobs return prepared results, in order (what the evaluator sees of judges)."""
+
+    world_size, job_timeout_s, restarts = 2, 10.0, 0
+
+    def __init__(self, *results: JobResult):
+        self.results = list(results)
+        self.jobs: list[str] = []
+
+    def run(self, fn, timeout_s=None, **kwargs):
+        self.jobs.append(kwargs.get("name", "bench"))
+        return self.results.pop(0)
+
+
+def _passing_check() -> JobResult:
+    from commweave.evaluate.jobs import RankCheck
+
+    return JobResult("ok", [RankCheck(Verdict.passed("fine"), {"start": 1.0}), RankCheck(Verdict.passed(), {"start": 3.0})],
+                     [None, None], elapsed_s=1.0)
+
+
+def _judge_died() -> JobResult:
+    return _job("error", [RankFailure("crashed", "rank 0 worker died (exit code -9)"),
+                          RankFailure("killed", "rank 1: still running when another rank failed")])
+
+
+def test_a_judge_dying_under_a_candidate_is_tampering_when_a_fresh_pool_works():
+    pool = _ScriptedPool(_judge_died(), _passing_check())
+    verdict = Evaluator(pool, ToyGatherMatmul()).check((PROGRAMS / "host.py").read_text())
+    assert verdict.failure == FailureClass.TAMPERING and "exit code -9" in verdict.message, verdict.message
+    assert pool.jobs == ["candidate", "host"]  # the probe: the first baseline, in a fresh job
+
+
+def test_a_judge_dying_twice_is_the_machines_failure():
+    pool = _ScriptedPool(_judge_died(), _judge_died())
+    with pytest.raises(InfrastructureError, match="died"):
+        Evaluator(pool, ToyGatherMatmul()).check((PROGRAMS / "host.py").read_text())
+
+
+def test_program_processes_that_cannot_start_are_the_machines_failure():
+    pool = _ScriptedPool(_job("error", [RankFailure("ProgramStartError", "a program process did not start: x"), None]))
+    with pytest.raises(InfrastructureError, match="did not start"):
+        Evaluator(pool, ToyGatherMatmul()).check((PROGRAMS / "host.py").read_text())
+
+
+def test_phases_are_the_slowest_ranks():
+    evaluator = Evaluator(_ScriptedPool(_passing_check()), ToyGatherMatmul())
+    assert evaluator.check((PROGRAMS / "host.py").read_text()).ok
+    assert evaluator.phases == {"start": 3.0}
+
+
+def _bench_job(verdicts: dict[str, Verdict]) -> JobResult:
+    from commweave.evaluate.jobs import RankBench
+
+    ranks = [RankBench(input_sets=2, times={n: [1e-3] * 3 for n, v in verdicts.items() if v.ok}, verdicts=dict(verdicts))
+             for _ in range(2)]
+    return JobResult("ok", ranks, [None, None], elapsed_s=1.0)
+
+
+@pytest.mark.parametrize("beside, alone, expected", [
+    (Verdict.failed(FailureClass.NAN, "output has 3 NaN"), Verdict.passed(), FailureClass.TAMPERING),
+    (Verdict.failed(FailureClass.TIMEOUT, "run(): no answer within 8.0 s"), None, FailureClass.TIMEOUT),
+])
+def test_a_baseline_failing_only_beside_the_candidate_is_the_candidates_doing(beside, alone, expected):
+    shape = ToyGatherMatmul().make_shape(4, 4, 4)
+    jobs = [_passing_check(), _passing_check(), _bench_job({"candidate": Verdict.passed(), "host": beside})]
+    if alone is not None:
+        jobs.append(_bench_job({"host": alone}))
+    pool = _ScriptedPool(*jobs)
+    result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(), shape)
+    assert result.fitness == 0.0 and result.verdict.failure == expected, result.verdict.message
+    assert "'host'" in result.verdict.message and not pool.results

@@ -250,3 +250,66 @@ def test_current_stream_handle_and_on_device_agree_with_torch():
         with on_device(other):
             assert torch.cuda.current_device() == other
         assert torch.cuda.current_device() == index
+
+
+def test_shared_buffers_reach_another_process_by_fd_only():
+    """The judge's block travels as a memfd over a unix socket: the other process's writes land in
+    the judge's tensors, and no name exists anyone else could open."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from commweave.runtime.shared_buffers import ALIGN, SharedBuffers, receive_buffers
+
+    specs = {"in0.a": ((3, 5), torch.float32), "in0.b": ((7,), torch.int64), "out": ((4, 4), torch.bfloat16)}
+    buffers = SharedBuffers(specs, torch.device("cpu"))
+    assert all(s.offset % ALIGN == 0 for s in buffers.slots)
+    buffers.tensors["in0.a"].copy_(torch.arange(15.0).view(3, 5))
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the other process: doubles a, writes out, answers
+        code = 1
+        try:
+            conn = Connection(theirs.detach())
+            tensors, keep = receive_buffers(conn)
+            tensors["out"].fill_(float(tensors["in0.a"].sum()))
+            tensors["in0.b"].fill_(-3)
+            conn.send("done")
+            code = 0
+        finally:
+            os._exit(code)
+    conn = Connection(ours.detach())
+    buffers.send(conn, pid)
+    assert conn.recv() == "done"
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(buffers.tensors["out"], torch.full((4, 4), 105.0, dtype=torch.bfloat16))
+    assert torch.equal(buffers.tensors["in0.b"], torch.full((7,), -3, dtype=torch.int64))
+    assert not any("commweave-buffers" in name for name in os.listdir("/dev/shm"))
+    buffers.close()
+
+
+def test_confinement_a_program_cannot_start_under_is_given_up_with_a_warning(monkeypatch):
+    """On GPUs the judge first starts a throwaway program process; the same logic here, with an entry
+    point that cannot be resolved under Landlock: the judge drops Landlock, says so, and goes on."""
+    from commweave.runtime import candidate, confine
+    from commweave.runtime.candidate import Confinement, ProgramStartError, _startable
+
+    if confine.landlock_abi() < 1:
+        pytest.skip("no Landlock on this kernel")
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *sys.path]))  # for this process's zygote
+    from landlocked_serve import MARKER
+
+    MARKER.write_text("readable without Landlock")
+    try:
+        with pytest.warns(UserWarning, match="Landlock False"):
+            rules = _startable(Confinement(network=False, filesystem=True), "landlocked_serve:serve", "cpu")
+        assert rules.network is False and rules.filesystem is False and "PermissionError" in rules.dropped
+        MARKER.unlink()
+        with pytest.raises(ProgramStartError, match="no program process can start"):
+            _startable(Confinement(network=False, filesystem=False), "landlocked_serve:serve", "cpu")
+    finally:
+        MARKER.unlink(missing_ok=True)
+        if candidate._ZYGOTE is not None:
+            candidate._ZYGOTE.close()
+            candidate._ZYGOTE = None

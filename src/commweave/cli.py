@@ -134,9 +134,16 @@ def _check_candidate(path: Path) -> str:
 
 @app.command()
 def doctor() -> None:
-    """GPUs, links, NCCL version, LSA/GIN, nvcc: what this machine offers commweave."""
+    """GPUs, links, NCCL version, LSA/GIN, nvcc, and the confinement candidates get here."""
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.runtime.capabilities import host_capabilities
+    from commweave.runtime.confine import probe_cuda as confinement_status_cuda
+    from commweave.runtime.confine import status as confinement_status
+
+    console.print("[bold]candidate confinement[/]")
+    for check in confinement_status():
+        mark = "[green]yes[/]" if check.in_force else "[bold red]NO[/] "
+        console.print(f"  {mark}  {escape(check.name)}: {escape(check.detail)}", highlight=False, soft_wrap=True)
 
     caps = host_capabilities()
     table = Table(title="commweave doctor", show_header=False)
@@ -148,6 +155,12 @@ def doctor() -> None:
         console.print(caps["topology"], highlight=False)
     if caps["gpus"] < 1:
         _fail("no CUDA GPU found: device checks (LSA, GIN, self-test) skipped.", code=1)
+    cuda = confinement_status_cuda(["everything"])
+    if not cuda[0].in_force:  # name the piece the driver cannot live with
+        cuda = confinement_status_cuda()
+    for check in cuda:
+        mark = "[green]yes[/]" if check.in_force else "[bold red]NO[/] "
+        console.print(f"  {mark}  {escape(check.name)}: {escape(check.detail)}", highlight=False, soft_wrap=True)
     world = caps["gpus"]
     try:
         with WorkerPool(world, job_timeout_s=120) as pool:

@@ -22,6 +22,9 @@ class FailureClass(str, Enum):
     NAN = "nan"  # NaN or Inf in the output
     SUSPECT = "suspect"  # faster than physics allows, or work escaped the timed region
     UNAVAILABLE = "unavailable"  # the program says it cannot run here (not a failure of a candidate)
+    #: it reached outside its own process: killed or broke a judge process or its own parent, left
+    #: processes behind that escaped its process group, made a baseline fail beside it
+    TAMPERING = "tampering"
 
     def __str__(self) -> str:
         return self.value
@@ -32,14 +35,19 @@ class EvaluationError(RuntimeError):
     candidate can be judged, so the caller must hear about it."""
 
 
+class InfrastructureError(EvaluationError):
+    """The machine, not a candidate, failed: the pool or a program process could not start, or a
+    judge process died and a fresh pool could not judge a baseline either."""
+
+
 class WorkloadError(RuntimeError):
     """Raised in a worker that cannot build the workload; the parent raises EvaluationError."""
 
 
 class HarnessError(RuntimeError):
-    """Raised in a worker when harness code (inputs, reference, checks) failed after candidate code
-    ran in that process. The candidate may have caused it, so it scores as a runtime_error; a
-    broken workload shows as every program, its baselines included, failing with this message."""
+    """Raised in a judge process when harness code (inputs, reference, checks) failed while judging
+    a program. It scores as that program's runtime_error; a broken workload shows as every
+    program, its baselines included, failing with this message."""
 
 
 @dataclass

@@ -1,23 +1,27 @@
 """The cascade: compile -> correctness -> benchmark side by side with the baselines -> fitness.
 
 The calling process only parses and compiles programs (nvcc; cubins land in the disk cache the
-workers' `ctx.compile` reads); programs run only in the pool's workers, through the jobs of
-`commweave.evaluate.jobs`. Every failure path gives fitness 0, a failure class and a message.
-Fitness is the first usable baseline's median time over the candidate's, measured in one job.
+program processes' `ctx.compile` reads). The pool's workers are the judges (`commweave.evaluate.
+jobs`); every program runs in program processes of its own, started per job. Every failure path
+gives fitness 0, a failure class and a message; what a candidate did outside its own processes
+(a judge killed, a baseline failing beside it) is `tampering`, and what the machine did (nothing
+could start, a fresh pool cannot judge a baseline either) raises InfrastructureError. Fitness is
+the first usable baseline's median time over the candidate's, measured in one job.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass, field
 
 from commweave.evaluate.floor import MachineRates, below_floor, floor_s
-from commweave.evaluate.jobs import RankBench, resolve_workload, workload_ref
+from commweave.evaluate.jobs import RankBench, RankCheck, resolve_workload, workload_ref
 from commweave.contracts.program import ProgramError, parse_program
 from commweave.evaluate.timing import summarize
 from commweave.contracts.result import BenchResult, EvalResult, ProgramTiming
-from commweave.contracts.verdict import EvaluationError, FailureClass, Verdict, merge_rank_verdicts
+from commweave.contracts.verdict import (
+    EvaluationError, FailureClass, InfrastructureError, Verdict, merge_rank_verdicts,
+)
 from commweave.runtime.compile import CompileError, compile_cubin
 from commweave.runtime.pool import JobResult, WorkerPool
 from commweave.contracts.workload import Shape, Workload
@@ -25,6 +29,7 @@ from commweave.contracts.workload import Shape, Workload
 CHECK_JOB = "commweave.evaluate.jobs:check_program"
 BENCH_JOB = "commweave.evaluate.jobs:bench_programs"
 CANDIDATE = "candidate"  # the candidate's name in a benchmark beside the baselines
+JUDGE_SHARE = 0.8  # of a job's time limit, what its judges give its programs (then they report a timeout)
 
 
 def job_failure(result: JobResult) -> Verdict:
@@ -41,6 +46,11 @@ def job_failure(result: JobResult) -> Verdict:
     rank, failure = cause
     if failure.error_type == "WorkloadError":
         raise EvaluationError(failure.message)
+    if failure.error_type == "ProgramStartError":
+        raise InfrastructureError(f"rank {rank}: {failure.message}")
+    if failure.error_type == "tampering":
+        return Verdict(False, FailureClass.TAMPERING, f"a judge process died while it ran ({failure.message}); a fresh "
+                       f"pool judges the baseline correctly{restarted}", rank=rank)
     if failure.error_type == "crashed":
         what = failure.message
     elif failure.error_type == "HarnessError":
@@ -78,6 +88,10 @@ class Evaluator:
         self.rates = rates or MachineRates()
         self.job_timeout_s = job_timeout_s
         self._baseline_checks: dict[tuple[str, tuple[str, ...]], Verdict] = {}
+        #: where the judges' time went in the last `evaluate` (or check/benchmark since): seconds
+        #: per phase (program process start, process group init, setup, checks, timing), the
+        #: largest over ranks, summed over jobs
+        self.phases: dict[str, float] = {}
 
     @property
     def world_size(self) -> int:
@@ -106,16 +120,45 @@ class Evaluator:
         """Compile, then correctness on `shapes` (default: the workload's check shapes)."""
         return self._check(text, CANDIDATE, shapes if shapes is not None else self.workload.check_shapes(self.world_size))
 
-    def _check(self, text: str, name: str, shapes: list[Shape]) -> Verdict:
+    @property
+    def _timeout_s(self) -> float:
+        return self.job_timeout_s if self.job_timeout_s is not None else self.pool.job_timeout_s
+
+    def _run(self, job: str, candidate: bool, **kwargs: object) -> JobResult:
+        """Run a judge job; a judge that died while a candidate's processes ran is the candidate's
+        doing if a fresh pool then judges a baseline correctly (else the machine's: raised)."""
+        result = self.pool.run(job, timeout_s=self.job_timeout_s, budget_s=JUDGE_SHARE * self._timeout_s, **kwargs)
+        slowest: dict[str, float] = {}
+        for values in result.values:
+            for phase, seconds in getattr(values, "phases", {}).items():
+                slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+        for phase, seconds in slowest.items():
+            self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        cause = result.cause()
+        if result.ok or cause is None or cause[1].error_type != "crashed":
+            return result
+        if not candidate:
+            raise InfrastructureError(f"a judge process died judging trusted programs: {cause[1].message}")
+        probe_name = self.workload.baselines[0]
+        probe = self._check(self.workload.program_text(probe_name), probe_name,
+                            self.workload.check_shapes(self.world_size)[:1], candidate=False)
+        if probe.failure in (None, FailureClass.UNAVAILABLE):
+            result.failures[cause[0]].error_type = "tampering"
+            return result
+        raise InfrastructureError(f"a judge process died ({cause[1].message}) and a fresh pool cannot judge "
+                                  f"baseline {probe_name!r} either: {probe.failure}: {probe.message}")
+
+    def _check(self, text: str, name: str, shapes: list[Shape], candidate: bool = True) -> Verdict:
         verdict = self.compile(text)
         if not verdict.ok:
             return verdict
         base = fresh_seed_base()
-        result = self.pool.run(CHECK_JOB, timeout_s=self.job_timeout_s, workload=self.workload_ref, text=text,
-                               name=name, shapes=list(shapes), seeds=[base + i for i in range(self.seeds)])
+        result = self._run(CHECK_JOB, candidate, workload=self.workload_ref, text=text, name=name,
+                           shapes=list(shapes), seeds=[base + i for i in range(self.seeds)])
         if not result.ok:
             return job_failure(result)
-        return merge_rank_verdicts(result.values)
+        ranks: list[RankCheck] = result.values
+        return merge_rank_verdicts([r.verdict for r in ranks])
 
     def benchmark(self, programs: dict[str, str], shape: Shape) -> BenchResult:
         """Time `programs` side by side in one job; each gets a verdict (and times if it ran).
@@ -131,9 +174,8 @@ class Evaluator:
                 timings[name] = ProgramTiming(name, verdict)
         input_sets = 0
         if runnable:
-            result = self.pool.run(BENCH_JOB, timeout_s=self.job_timeout_s, workload=self.workload_ref,
-                                   programs=runnable, shape=shape, warmup=self.warmup, iters=self.iters,
-                                   seed=fresh_seed_base())
+            result = self._run(BENCH_JOB, CANDIDATE in runnable, workload=self.workload_ref, programs=runnable,
+                               shape=shape, warmup=self.warmup, iters=self.iters)
             if result.ok:
                 ranks: list[RankBench] = result.values
                 input_sets = ranks[0].input_sets
@@ -161,6 +203,7 @@ class Evaluator:
     # -- the cascade ----------------------------------------------------------------------------
     def evaluate(self, text: str, shape: Shape) -> EvalResult:
         """compile -> check (check shapes + `shape`) -> benchmark beside the baselines -> fitness."""
+        self.phases = {}
         shapes = self.workload.check_shapes(self.world_size)
         if shape not in shapes:
             shapes = [*shapes, shape]
@@ -177,8 +220,23 @@ class Evaluator:
             else:
                 baselines[name] = ProgramTiming(name, baseline_verdict)
         bench = self.benchmark(to_time, shape)
-        baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines}
         candidate = bench.programs[CANDIDATE]
+        sabotaged = [n for n in to_time if n != CANDIDATE and not bench.programs[n].verdict.ok]
+        late = [n for n in sabotaged if bench.programs[n].verdict.failure == FailureClass.TIMEOUT]
+        if late and candidate.verdict.ok:  # the job's time ran out: a slow candidate, no sabotage
+            blame = Verdict.failed(FailureClass.TIMEOUT, f"the benchmark ran out of time beside it (baseline "
+                                   f"{late[0]!r}: {bench.programs[late[0]].verdict.message})")
+            candidate = ProgramTiming(CANDIDATE, blame)
+        elif sabotaged and candidate.verdict.ok:
+            alone = self.benchmark({n: to_time[n] for n in sabotaged}, shape)
+            cleared = [n for n in sabotaged if alone.programs[n].verdict.ok]
+            if cleared:
+                n = cleared[0]
+                blame = Verdict.failed(FailureClass.TAMPERING, f"baseline {n!r} failed beside it "
+                                       f"({bench.programs[n].verdict.failure}: {bench.programs[n].verdict.message}) "
+                                       "and passes alone")
+                candidate = ProgramTiming(CANDIDATE, blame)
+        baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines}
         if not candidate.verdict.ok:
             return EvalResult(0.0, candidate.verdict, shape.label, candidate, None, baselines, bench.floor_us)
         reference = next((n for n, t in baselines.items() if t.verdict.ok), None)

@@ -1,26 +1,30 @@
-"""Worker-side jobs of the cascade: correctness check, side-by-side benchmark, rate calibration.
+"""Judge-side jobs of the cascade: correctness check, side-by-side benchmark, rate calibration.
 
-Each job runs on every rank (`WorkerPool.run`). Ranks stay in lockstep: after every step that ran
-candidate code, all ranks agree over a private gloo group whether any rank failed, and branch only
-on that agreement, so a failing rank never leaves its peers waiting in a collective (which would
-cost a pool restart) and collective setup/teardown calls stay matched. A candidate's ordinary
-exception becomes its rank's verdict; a sticky CUDA error is re-raised, because the worker's CUDA
-context is gone and the pool must replace it.
+Each job runs on every rank in a judge process (`WorkerPool.run`), which never executes program
+code: every program, candidate or baseline, runs in program processes of its own
+(runtime/candidate.py; their side is evaluate/runner.py), one per rank, started for this job and
+killed after it. The judge writes each run's inputs with fresh random values into buffers it owns
+and shares with that program only (runtime/shared_buffers.py), poisons the output, asks for one
+run, and reads, compares and times from its own side. Ranks stay in lockstep: after every request
+all judges agree over their own gloo group whether a rank failed, and branch only on that
+agreement; a judge whose program failed raises an abort flag, so peers waiting for a program
+stuck in a collective stop waiting.
 
-Outputs come from `harness_output`: a symmetric window for workloads that ask for one
-(`Workload.symmetric_output`), so device programs may store into peers' outputs.
-
-Workloads travel to workers as 'module:Class' paths (`workload_ref`): the class must be importable
+Workloads travel to judges as 'module:Class' paths (`workload_ref`): the class must be importable
 there (the pool's PYTHONPATH) and constructible without arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import secrets
+import shutil
+import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,24 +32,24 @@ import torch.distributed as dist
 
 from commweave.contracts.context import ProgramContext
 from commweave.contracts.poison import poison_
-from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
-from commweave.contracts.program import load_program, unavailable_reason
-from commweave.evaluate.timing import input_sets_for, interleaved_schedule
-from commweave.runtime.timers import gated_seconds
+from commweave.contracts.profile import H200
 from commweave.contracts.verdict import FailureClass, HarnessError, Verdict, WorkloadError
-from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
 from commweave.contracts.workload import Shape, Workload
+from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
+from commweave.evaluate.timing import VERIFY_ONE_IN, input_sets_for, interleaved_schedule
+from commweave.runtime.candidate import (
+    ProgramProcess, ProgramStartError, confinement, make_rendezvous, remove_rendezvous,
+)
+from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
+from commweave.runtime.shared_buffers import SharedBuffers
 
-_GROUP: Any = None  # this worker's harness group, created by the first job every rank runs
-
-
-class StickyCudaError(RuntimeError):
-    """Candidate code broke the CUDA context; raised so that the pool replaces this worker."""
+SERVE = "commweave.evaluate.runner:serve"
+_GROUP: Any = None  # this judge's harness group, created by the first job every rank runs
 
 
 def _harness_group() -> Any:
-    """A gloo group of our own: candidates' collectives (even on ctx.cpu_group) cannot mix with
-    the harness's agreements. Every job calls this first, so all ranks create it together."""
+    """A gloo group of the judges' own, for their agreements. Every job calls this first, so all
+    ranks create it together."""
     global _GROUP
     if _GROUP is None:
         _GROUP = dist.new_group(backend="gloo")
@@ -53,7 +57,7 @@ def _harness_group() -> Any:
 
 
 def workload_ref(workload: Workload) -> str:
-    """'module:Class' by which workers rebuild `workload`."""
+    """'module:Class' by which judges rebuild `workload`."""
     cls = type(workload)
     if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
         raise ValueError(f"workload class {cls.__qualname__} must live at module level of an importable module")
@@ -69,107 +73,9 @@ def resolve_workload(ref: str) -> Workload:
                            "(is its module on the pool's PYTHONPATH?)") from exc
 
 
-class _Steps:
-    """One rank's progress through a program: where it is, and its first failure."""
-
-    def __init__(self, rank: int, shape: str | None = None):
-        self.rank = rank
-        self.shape = shape
-        self.seed: int | None = None
-        self.verdict = Verdict.passed()
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict.ok
-
-    def fail(self, failure: FailureClass, what: str, detail: str = "") -> None:
-        """Record a failure here, unless an earlier one is already recorded."""
-        if self.verdict.ok:
-            self.verdict = Verdict.failed(failure, what, rank=self.rank, shape=self.shape, seed=self.seed, detail=detail)
-
-    def _located(self, text: str) -> str:
-        return Verdict.failed(FailureClass.RUNTIME_ERROR, text, rank=self.rank, shape=self.shape, seed=self.seed).message
-
-    def attempt(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run candidate code; an exception becomes a runtime_error here (None is returned), a
-        sticky CUDA error propagates."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            text = f"{what} raised {type(exc).__name__}: {exc}"
-            if is_sticky_cuda_error(text):
-                raise StickyCudaError(self._located(text)) from exc
-            self.fail(FailureClass.RUNTIME_ERROR, text, traceback.format_exc())
-            return None
-
-    def harness(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run harness code (workload, checks): its failure is the harness's, not the candidate's,
-        except for a sticky CUDA error, which only a candidate's kernel can have caused."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            text = f"{what} raised {type(exc).__name__}: {exc}"
-            if is_sticky_cuda_error(text):
-                raise StickyCudaError(self._located(text)) from exc
-            raise HarnessError(self._located(text)) from exc
-
-    def agree(self) -> bool:
-        """Collective: True on every rank iff every rank's verdict still passes."""
-        flag = torch.tensor([0 if self.verdict.ok else 1], dtype=torch.int32)
-        dist.all_reduce(flag, group=_harness_group())
-        return int(flag.item()) == 0
-
-
-def _load(ctx: ProgramContext, steps: _Steps, text: str, name: str) -> Any:
-    """Load a program and ask whether it can run here; all ranks agree on the outcome."""
-    program = steps.attempt("loading the program", load_program, text, name)
-    if steps.agree():
-        reason = steps.attempt("available()", unavailable_reason, program, ctx)
-        if reason:
-            steps.fail(FailureClass.UNAVAILABLE, reason)
-    return program
-
-
-def _teardown(ctx: ProgramContext, steps: _Steps, program: Any, state: Any) -> None:
-    teardown = getattr(program, "teardown", None)
-    if teardown is not None:
-        steps.attempt("teardown()", teardown, ctx, state)
-
-
-# -- correctness ----------------------------------------------------------------------------------
-def check_program(ctx: ProgramContext, workload: str, text: str, name: str, shapes: list[Shape], seeds: list[int]) -> Verdict:
-    """Every shape: setup once, then one run per seed on fresh inputs (consecutive runs on one
-    state, so an output cached from an earlier call fails), each judged on every rank."""
-    _harness_group()
-    wl = resolve_workload(workload)
-    steps = _Steps(ctx.rank)
-    program = _load(ctx, steps, text, name)
-    if not steps.agree():
-        return steps.verdict
-    for shape in shapes:
-        steps.shape, steps.seed = shape.label, None
-        if not _check_shape(ctx, wl, program, steps, shape, seeds):
-            return steps.verdict
-    return Verdict.passed(f"{len(seeds)} seeds on {len(shapes)} shapes: {', '.join(s.label for s in shapes)}")
-
-
-def _check_shape(ctx: ProgramContext, wl: Workload, program: Any, steps: _Steps, shape: Shape, seeds: list[int]) -> bool:
-    state = steps.attempt("setup()", program.setup, ctx, shape)
-    set_up = steps.agree()
-    if set_up:
-        for seed in seeds:
-            steps.seed = seed
-            _check_seed(ctx, wl, program, state, steps, shape, seed)
-            if not steps.agree():
-                break
-        steps.seed = None
-        _teardown(ctx, steps, program, state)  # collective teardowns stay matched: all ranks set up
-    steps.attempt("end_candidate()", ctx.end_candidate)
-    return steps.agree()
-
-
 def harness_output(ctx: ProgramContext, wl: Workload, shape: Shape) -> torch.Tensor:
-    """This rank's output buffer as the harness makes it, for checks, benchmarks and tests alike.
+    """This rank's output buffer as the harness makes it, for workload tests that run a program in
+    their own process (the cascade itself gives program processes `SharedBuffers`).
 
     With `wl.symmetric_output` on a CUDA pool it lies in a symmetric window (`ctx.symmetric`), so a
     device program can store straight into its peers' outputs; this is collective (every rank calls
@@ -178,41 +84,303 @@ def harness_output(ctx: ProgramContext, wl: Workload, shape: Shape) -> torch.Ten
     other workloads) it is `make_output`'s tensor."""
     if not (wl.symmetric_output and ctx.is_cuda):
         return wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device)
+    nbytes = _symmetric_bytes(ctx, wl, shape)
+    like = wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta"))
+    storage = ctx.symmetric((nbytes,), torch.uint8, zero=False)
+    return storage[:like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+def _symmetric_bytes(ctx: ProgramContext, wl: Workload, shape: Shape) -> int:
+    """Collective: the largest rank's output bytes (every rank's window gets that size)."""
     like = wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta"))  # shape and dtype only
-    nbytes = like.numel() * like.element_size()
-    most = torch.tensor([nbytes], dtype=torch.int64)
+    most = torch.tensor([like.numel() * like.element_size()], dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=_harness_group())
-    storage = ctx.symmetric((int(most.item()),), torch.uint8, zero=False)
-    return storage[:nbytes].view(like.dtype).view(like.shape)
+    return int(most.item())
 
 
-def _fresh_case(wl: Workload, shape: Shape, ctx: ProgramContext, seed: int) -> tuple[dict, dict, torch.Tensor]:
-    inputs = wl.make_inputs(shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    pristine = {k: v.clone() for k, v in inputs.items()}
-    out = poison_(harness_output(ctx, wl, shape))
-    return inputs, pristine, out
+# -- one job on one judge ---------------------------------------------------------------------------
+class _Job:
+    """A job's shared state on one judge: its deadline, the judges' folder (abort flags), phases."""
+
+    def __init__(self, ctx: ProgramContext, budget_s: float):
+        self.ctx = ctx
+        self.group = _harness_group()
+        self.deadline = time.monotonic() + budget_s
+        folder = [tempfile.mkdtemp(prefix="cw_judge_") if ctx.rank == 0 else None]
+        dist.broadcast_object_list(folder, src=0, group=self.group)
+        self.dir = Path(folder[0])
+        self.phases: dict[str, float] = {}
+        self.programs: list[_Program] = []
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def abort_flag(self, name: str) -> Callable[[], bool]:
+        path = self.dir / f"abort-{name}"
+        return path.exists
+
+    def abort(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):  # rank 0 already removed the folder: the job is over
+            (self.dir / f"abort-{name}").touch()
+
+    def rendezvous(self, names: list[str]) -> dict[str, Path]:
+        """A fresh folder per program, made by rank 0 and the same on every rank."""
+        made = [{n: make_rendezvous() for n in names} if self.ctx.rank == 0 else None]
+        dist.broadcast_object_list(made, src=0, group=self.group)
+        return made[0]
+
+    def start(self, programs: dict[str, str], label: str | None) -> dict[str, _Program]:
+        """Program processes for `programs` (all forked first, so their startups overlap)."""
+        began = time.perf_counter()
+        places = self.rendezvous(list(programs))
+        started: dict[str, _Program] = {}
+        try:
+            for name, text in programs.items():
+                started[name] = _Program(self, name, text, places[name], label)
+            for program in started.values():
+                program.await_ready()
+        except ProgramStartError:
+            for name, program in started.items():
+                self.abort(name)
+                program.close(blame=False)
+            raise
+        self.add("start", time.perf_counter() - began)
+        self.add("init", max((p.proc.ready.get("init_s", 0.0) for p in started.values()), default=0.0))
+        return started
+
+    def close(self) -> None:
+        """Kill whatever program processes are left (a job that raised), remove the judges' folder."""
+        for program in self.programs:
+            program.close(blame=False)
+        if self.ctx.rank == 0:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _run_synchronized(ctx: ProgramContext, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> None:
-    """A run, then a device-wide sync: the run's work on every stream counts as its own."""
-    program.run(ctx, state, dict(inputs), out)
-    ctx.synchronize()
+class _Program:
+    """One program on one rank: its process, buffers, events, and its verdict so far."""
+
+    def __init__(self, job: _Job, name: str, text: str, rendezvous: Path, label: str | None):
+        self.job, self.name, self.text, self.rendezvous = job, name, text, rendezvous
+        self.ctx = job.ctx
+        self.verdict = Verdict.passed()
+        self.judged: Verdict | None = None  # the first wrong output of a timed iteration (it goes on being timed)
+        self.shape, self.seed = label, None
+        self.aborted = False
+        self.peers_failed = False
+        self.active = True
+        self.buffers: SharedBuffers | None = None
+        self.inputs: list[dict[str, torch.Tensor]] = []
+        self.go: Any = None
+        self.done: Any = None
+        self.proc = ProgramProcess.spawn(rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                         device=self.ctx.device.type, rendezvous=rendezvous, serve=SERVE,
+                                         rules=confinement(self.ctx.device.type, SERVE))
+        job.programs.append(self)
+
+    def await_ready(self) -> None:
+        self.proc.await_ready(self.job.deadline, self.job.abort_flag(self.name))
+
+    # -- verdicts ---------------------------------------------------------------------------------
+    @property
+    def ok(self) -> bool:
+        """Neither this rank nor, as far as the last agreement said, any other rank failed."""
+        return self.verdict.ok and not self.aborted and not self.peers_failed
+
+    def located(self, failure: FailureClass, what: str, detail: str = "") -> Verdict:
+        """A failure verdict naming this rank and where the program is (shape, seed)."""
+        return Verdict.failed(failure, what, rank=self.ctx.rank, shape=self.shape, seed=self.seed, detail=detail)
+
+    def fail(self, failure: FailureClass, what: str, detail: str = "") -> None:
+        """Record a failure here, unless an earlier one is already recorded; peers stop waiting."""
+        if self.verdict.ok:
+            self.verdict = self.located(failure, what, detail)
+        self.job.abort(self.name)
+
+    def agree(self) -> bool:
+        """Collective: True on every rank iff no rank's program failed. A rank that only stopped
+        because a peer gave up records that, should no peer have recorded why."""
+        flags = torch.tensor([0 if self.verdict.ok else 1, int(self.aborted)], dtype=torch.int32)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flags, group=self.job.group)
+        failed, aborted = int(flags[0]), int(flags[1])
+        if aborted and not failed and self.verdict.ok:
+            self.verdict = Verdict.failed(FailureClass.RUNTIME_ERROR, "a peer rank's program stopped answering",
+                                          rank=self.ctx.rank, shape=self.shape, seed=self.seed)
+        self.peers_failed = self.peers_failed or failed > 0 or aborted > 0
+        return not self.peers_failed
+
+    # -- requests ---------------------------------------------------------------------------------
+    def call(self, what: str, message: tuple, then: Callable[[], None] | None = None) -> Any:
+        """One request; a failure becomes this rank's verdict and None is returned."""
+        began = time.monotonic()
+        reply = self.proc.request(message, self.job.deadline, self.job.abort_flag(self.name), then)
+        if reply.status == "ok":
+            return reply.value
+        if reply.status == "aborted":
+            self.aborted = True
+        elif reply.status == "error":
+            text = f"{what} raised {reply.error_type}: {reply.message}"
+            sticky = is_sticky_cuda_error(text)
+            self.fail(FailureClass.ILLEGAL_ADDRESS if sticky else FailureClass.RUNTIME_ERROR, text, reply.traceback)
+        elif reply.status == "died":
+            self.fail(FailureClass.RUNTIME_ERROR, f"{what}: rank {self.ctx.rank}'s program process died "
+                                                  f"(exit code {reply.value})")
+        else:
+            self.fail(FailureClass.TIMEOUT, f"{what}: no answer within {time.monotonic() - began:.1f} s (deadlock or "
+                                            "endless loop); its processes were killed")
+        return None
+
+    def harness(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Judge code (workload, checks): its failure is the harness's, never the program's doing."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            located = Verdict.failed(FailureClass.RUNTIME_ERROR, f"{what} raised {type(exc).__name__}: {exc}",
+                                     rank=self.ctx.rank, shape=self.shape, seed=self.seed).message
+            raise HarnessError(located) from exc
+
+    def load(self) -> None:
+        reason = self.call("loading the program", ("load", self.text, self.name))
+        if self.ok and reason:
+            self.fail(FailureClass.UNAVAILABLE, reason)
+
+    def setup(self, wl: Workload, shape: Shape, sets: list[dict[str, torch.Tensor]]) -> int | None:
+        """setup() in the program process, then the judge's buffers shared with it: `sets` input
+        sets laid out like the given tensors, and the output. Returns the bytes setup holds."""
+        symmetric = _symmetric_bytes(self.ctx, wl, shape) if wl.symmetric_output and self.ctx.is_cuda else 0
+        held = self.call("setup()", ("setup", shape, symmetric))
+        if not self.agree():
+            return None
+        like = wl.make_output(shape, self.ctx.world_size, self.ctx.rank, torch.device("meta"))
+        specs = {f"in{i}.{k}": (tuple(v.shape), v.dtype) for i, inputs in enumerate(sets) for k, v in inputs.items()}
+        specs["out"] = (tuple(like.shape), like.dtype)
+        self.buffers = self.harness("sharing buffers", SharedBuffers, specs, self.ctx.device)
+        self.inputs = [{k: self.buffers.tensors[f"in{i}.{k}"] for k in inputs} for i, inputs in enumerate(sets)]
+        handle = None
+        if self.ctx.is_cuda:
+            self.go = torch.cuda.Event(interprocess=True)
+            handle = self.go.ipc_handle()
+        done = self.call("receiving the buffers", ("buffers", handle),
+                         then=lambda: self.buffers.send(self.proc.conn, self.proc.pid))
+        if self.ok and self.ctx.is_cuda:
+            self.done = torch.cuda.Event.from_ipc_handle(self.ctx.device, done)
+        return held
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.buffers.tensors["out"]
+
+    def fill(self, index: int, values: dict[str, torch.Tensor]) -> None:
+        """Write `values` into input set `index` (the judge's buffers)."""
+        for k, v in values.items():
+            self.inputs[index][k].copy_(v)
+
+    def run(self, index: int, mode: str) -> bool:
+        """An untimed run on input set `index` (output poisoned first); True if it answered."""
+        poison_(self.out)
+        if self.ctx.is_cuda:
+            self.go.record()
+        self.call("run()", ("run", index, mode))
+        return self.ok
+
+    def close(self, blame: bool = True) -> None:
+        """Kill the program's processes; what escaped them, or a dead zygote, is tampering."""
+        if self.proc.closed:
+            return
+        escaped = self.proc.close()
+        zygote_alive = self.proc.zygote.alive
+        if self.buffers is not None:
+            self.buffers.close()
+        if self.ctx.rank == 0:
+            remove_rendezvous(self.rendezvous)
+        if blame and escaped:
+            self.verdict = Verdict.passed()  # the evidence outranks whatever failed before
+            self.fail(FailureClass.TAMPERING, f"{escaped} process(es) it started left its session or "
+                                              "process tree to outlive it (killed)")
+        if blame and not zygote_alive:
+            self.verdict = Verdict.passed()
+            self.fail(FailureClass.TAMPERING, "its parent (this rank's program zygote) was killed while it ran")
 
 
-def _check_seed(ctx: ProgramContext, wl: Workload, program: Any, state: Any, steps: _Steps, shape: Shape, seed: int) -> None:
-    inputs, pristine, out = steps.harness("make_inputs()/make_output()", _fresh_case, wl, shape, ctx, seed)
-    steps.attempt("run()", _run_synchronized, ctx, program, state, inputs, out)
-    if not steps.ok:
-        return
-    changed = modified_inputs(inputs, pristine)
+def _finish(program: _Program, teardown: bool) -> None:
+    """teardown() where every rank may run it, then exit; the processes are killed either way."""
+    if teardown and program.agree():
+        program.call("teardown()", ("teardown",))
+        program.agree()
+    if program.ok:
+        program.proc.request(("exit",), min(program.job.deadline, time.monotonic() + 5.0), lambda: False)
+    program.close()
+
+
+# -- correctness ----------------------------------------------------------------------------------
+@dataclass
+class RankCheck:
+    """One rank's correctness check: its verdict, and where the judge's time went."""
+
+    verdict: Verdict
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def check_program(ctx: ProgramContext, workload: str, text: str, name: str, shapes: list[Shape], seeds: list[int],
+                  budget_s: float) -> RankCheck:
+    """Every shape: setup once, then one run per seed on fresh inputs (consecutive runs on one
+    state, so an output cached from an earlier call fails), each judged on every rank."""
+    wl = resolve_workload(workload)
+    job = _Job(ctx, budget_s)
+    try:
+        program = job.start({name: text}, None)[name]
+        began = time.perf_counter()
+        program.load()
+        if program.agree():
+            for shape in shapes:
+                program.shape, program.seed = shape.label, None
+                if not _check_shape(wl, program, shape, seeds):
+                    break
+        job.add("checks", time.perf_counter() - began)
+        _finish(program, teardown=False)
+    finally:
+        job.close()
+    if not program.verdict.ok:
+        return RankCheck(program.verdict, job.phases)
+    summary = f"{len(seeds)} seeds on {len(shapes)} shapes: {', '.join(s.label for s in shapes)}"
+    return RankCheck(Verdict.passed(summary), job.phases)
+
+
+def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]) -> bool:
+    ctx = program.ctx
+    first = program.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seeds[0], ctx.device)
+    program.setup(wl, shape, [first])
+    if not program.agree():
+        return False
+    for seed in seeds:
+        program.seed = seed
+        fresh = first if seed == seeds[0] else program.harness(
+            "make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seed, ctx.device)
+        program.fill(0, fresh)
+        program.run(0, "check")
+        if program.agree():  # a rank whose run failed explains its peers' outputs: judge none then
+            failure = _judge_run(wl, program, shape, seed, program.inputs[0], fresh, "")
+            if failure is not None:
+                program.fail(failure.failure, failure.message)
+        if not program.agree():
+            return False
+    program.seed = None
+    program.call("teardown()", ("teardown",))  # a collective teardown stays matched: every rank set up
+    return program.agree()
+
+
+def _judge_run(wl: Workload, program: _Program, shape: Shape, seed: int, inputs: dict[str, torch.Tensor],
+               pristine: dict[str, torch.Tensor], when: str) -> Verdict | None:
+    """Inputs unchanged, then the output against the reference of `seed` (all in the judge): the
+    failure found, or None."""
+    ctx = program.ctx
+    changed = program.harness("comparing inputs", modified_inputs, inputs, pristine)
     if changed:
-        steps.fail(FailureClass.WRONG_RESULT, f"input {', '.join(map(repr, changed))} was modified")
-        return
-    ref = steps.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    untouched = steps.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    verdict = steps.harness("judging the output", judge_output, out, ref, wl.tolerance(), untouched)
-    if not verdict.ok:
-        steps.fail(verdict.failure, verdict.message)
+        return program.located(FailureClass.WRONG_RESULT, f"{when}input {', '.join(map(repr, changed))} was modified")
+    ref = program.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, seed, ctx.device)
+    untouched = program.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
+    verdict = program.harness("judging the output", judge_output, program.out, ref, wl.tolerance(), untouched)
+    return None if verdict.ok else program.located(verdict.failure, f"{when}{verdict.message}")
 
 
 # -- benchmark ------------------------------------------------------------------------------------
@@ -224,145 +392,194 @@ class RankBench:
     times: dict[str, list[float]] = field(default_factory=dict)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)  # CUDA: bytes a program holds plus its peak in a call
-
-
-def _timed_iteration(ctx: ProgramContext, program: Any, state: Any, inputs: dict, out: torch.Tensor,
-                     untouched: torch.Tensor | None) -> tuple[float, bool]:
-    """(seconds, output ready at the end of the timed region). Poisoning happens before the timed
-    region; all ranks start it together (a device-side barrier on GPUs). On GPUs the stream is held
-    until the call is queued (`timing.gated_seconds`), so the timer measures the GPUs' time, not
-    the host's launch time: what a call costs inside a model whose host runs ahead of its GPUs."""
-    poison_(out)
-    if ctx.is_cuda:
-        seconds, unready = gated_seconds(ctx, lambda: program.run(ctx, state, dict(inputs), out),
-                                         lambda: not_ready(out, untouched))  # the output as the timer saw it
-        return seconds, not bool(unready)
-    dist.barrier(group=_harness_group())
-    began = time.perf_counter()
-    program.run(ctx, state, dict(inputs), out)
-    seconds = time.perf_counter() - began
-    return seconds, not bool(not_ready(out, untouched))
-
-
-def _held_bytes(ctx: ProgramContext) -> int:
-    """Device memory held right now: torch's allocated tensors and the symmetric windows in use."""
-    if not ctx.is_cuda:
-        return 0
-    return torch.cuda.memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
-
-
-def _call_peak_bytes(ctx: ProgramContext, name: str, program: Any, state: Any, inputs: dict, out: torch.Tensor) -> int:
-    """What two calls of a set-up program add at their peak and keep (workspaces, graph pools):
-    counted once per program, before the interleaved warm-up, every rank in the same order."""
-    torch.cuda.synchronize(ctx.device)
-    before = _held_bytes(ctx)
-    torch.cuda.reset_peak_memory_stats(ctx.device)
-    try:  # run() alone: the harness's own checks would add their temporaries to the peak
-        for _ in range(2):  # eager first call, then a capture or replay where the program keeps graphs
-            program.run(ctx, state, dict(inputs), out)
-        torch.cuda.synchronize(ctx.device)
-    except Exception as exc:
-        raise _run_failure(ctx, name, "memory measurement call", exc) from exc
-    peak = torch.cuda.max_memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
-    return max(peak - before, _held_bytes(ctx) - before, 0)
+    phases: dict[str, float] = field(default_factory=dict)
+    verified: dict[str, int] = field(default_factory=dict)  # timed iterations whose output was judged
 
 
 def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
-                   seed: int) -> RankBench:
-    """Time `programs` side by side on `shape`: set each up once, rotate input sets (past 2x L2),
-    warm up on every input set (at least `warmup` iterations: a program that caches per input
-    address, e.g. a CUDA graph per address set, is timed in its steady state, not while capturing),
-    interleave iterations round-robin, and judge each program's last output."""
-    _harness_group()
+                   budget_s: float) -> RankBench:
+    """Time `programs` side by side on `shape`, each in program processes of its own: set each up
+    once, rotate input sets (past 2x L2), warm up on every set (at least `warmup` iterations),
+    then interleave timed iterations round-robin. Every timed iteration runs on new random values
+    the judges drew after setup, written into its set only once the timer's hold is in place (on
+    GPUs behind the gate, then the L2 flushed), so no program sees them before its timed call;
+    the output of a random subset of timed iterations, which the program cannot predict, and of
+    its last, is judged against the reference."""
     wl = resolve_workload(workload)
+    job = _Job(ctx, budget_s)
     result = RankBench()
-    active: dict[str, tuple[Any, Any]] = {}
-    for name, text in programs.items():
-        steps = _Steps(ctx.rank, shape.label)
-        program = _load(ctx, steps, text, name)
-        if steps.agree():
-            held = _held_bytes(ctx)
-            state = steps.attempt("setup()", program.setup, ctx, shape)
-            if steps.agree():
-                active[name] = (program, state)
-                result.memory[name] = _held_bytes(ctx) - held
-        result.verdicts[name] = steps.verdict
-    steps = _Steps(ctx.rank, shape.label)
-    if active:
-        sets = _input_sets(ctx, wl, shape, seed, steps)
-        result.input_sets = len(sets)
-        untouched = {set_seed: steps.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, set_seed,
-                                             ctx.device) for set_seed, _ in sets}
-        outs = {name: steps.harness("make_output()", harness_output, ctx, wl, shape) for name in active}
-        if ctx.is_cuda:
-            for name, (program, state) in active.items():
-                result.memory[name] += _call_peak_bytes(ctx, name, program, state, sets[0][1], outs[name])
-        else:
-            result.memory.clear()  # host memory is not measured
-        for name, i in interleaved_schedule(list(active), max(warmup, len(sets))):
-            program, state = active[name]
-            set_seed, inputs = sets[i % len(sets)]
-            _iteration(ctx, name, i, program, state, inputs, outs[name], untouched[set_seed])
-        unready = {name: 0 for name in active}
-        for name, i in interleaved_schedule(list(active), iters):
-            program, state = active[name]
-            set_seed, inputs = sets[i % len(sets)]
-            seconds, ready = _iteration(ctx, name, i, program, state, inputs, outs[name], untouched[set_seed])
-            result.times.setdefault(name, []).append(seconds)
-            unready[name] += not ready
-        last_seed = sets[(iters - 1) % len(sets)][0]
-        ref = steps.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, last_seed, ctx.device)
-        for name in active:
-            result.verdicts[name] = _bench_verdict(ctx, wl, name, shape, outs[name], ref, untouched[last_seed],
-                                                   last_seed, unready[name], iters)
-        for name, (program, state) in active.items():
-            teardown = _Steps(ctx.rank, shape.label)
-            _teardown(ctx, teardown, program, state)
-            if result.verdicts[name].ok:
-                result.verdicts[name] = teardown.verdict
-    steps.harness("end_candidate()", ctx.end_candidate)
+    try:
+        _bench(job, wl, programs, shape, warmup, iters, result)
+    finally:
+        job.close()
+    result.phases = job.phases
     return result
 
 
-def _input_sets(ctx: ProgramContext, wl: Workload, shape: Shape, seed: int, steps: _Steps) -> list[tuple[int, dict]]:
-    """(seed, inputs) pairs; every rank uses the same count, so set i has the same seed everywhere."""
-    first = steps.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    count = torch.tensor([input_sets_for(sum(t.numel() * t.element_size() for t in first.values()))])
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=_harness_group())
-    sets = [(seed, first)]
-    for i in range(1, int(count.item())):
-        sets.append((seed + i, steps.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank,
-                                              seed + i, ctx.device)))
-    return sets
+def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
+           result: RankBench) -> None:
+    ctx = job.ctx
+    started = job.start(programs, shape.label)
+    began = time.perf_counter()
+    for program in started.values():
+        program.load()
+        program.agree()
+    probe = None
+    first = next((p for p in started.values() if p.ok), None)
+    if first is not None:
+        probe = first.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, 0, ctx.device)
+    count = _input_set_count(job, probe)
+    result.input_sets = count
+    warm = max(warmup, count)
+    seeds = _fresh_seeds(job, list(programs), iters + count + warm)
+    for name, program in started.items():
+        if program.ok:
+            held = program.setup(wl, shape, [probe] * count)
+            if program.ok and held is not None:
+                result.memory[name] = held
+                for index in range(count):  # warm-up values: never those of a timed iteration
+                    program.fill(index, _draw(wl, program, shape, seeds[name][iters + index])[0])
+        program.agree()
+    active = {name: p for name, p in started.items() if p.ok}
+    if ctx.is_cuda:
+        for name, program in active.items():
+            program.go.record()
+            peak = program.call("memory measurement", ("memory", 0))
+            if program.agree():
+                result.memory[name] += peak
+    else:
+        result.memory.clear()  # host memory is not measured
+    job.add("setup", time.perf_counter() - began)
+    began = time.perf_counter()
+    for name, i in interleaved_schedule(list(active), warm):  # fresh values here too: none comes up twice
+        program = active[name]
+        if program.active and _still_ok(program):
+            program.fill(i % count, _draw(wl, program, shape, seeds[name][iters + count + i])[0])
+            program.run(i % count, "warm")
+    flush = _l2_flush_buffer(ctx)
+    unready = {name: 0 for name in active}
+    verifying = 0.0
+    for name, i in interleaved_schedule(list(active), iters):
+        program = active[name]
+        if not program.active:
+            continue
+        t0 = time.perf_counter()
+        values, untouched = _draw(wl, program, shape, seeds[name][i])
+        verifying += time.perf_counter() - t0
+        if not _still_ok(program):
+            continue
+        index = i % count
+        seconds, ready = _timed(program, index, values, untouched, flush)
+        if seconds is None:
+            continue
+        result.times.setdefault(name, []).append(seconds)
+        unready[name] += not ready
+        if ready and (i == iters - 1 or secrets.randbelow(VERIFY_ONE_IN) == 0):
+            t0 = time.perf_counter()
+            program.seed = seeds[name][i]
+            failure = _judge_run(wl, program, shape, seeds[name][i], program.inputs[index], values,
+                                 f"benchmark iteration {i}: ")
+            program.judged = program.judged or failure
+            program.seed = None
+            result.verified[name] = result.verified.get(name, 0) + 1
+            verifying += time.perf_counter() - t0
+    job.add("timing", time.perf_counter() - began - verifying)
+    job.add("checks", verifying)
+    for name, program in started.items():
+        timed = name in active and program.active and _still_ok(program)  # every rank timed every iteration
+        _finish(program, teardown=timed)
+        if timed and program.verdict.ok and unready[name]:
+            program.verdict = program.located(FailureClass.SUSPECT, f"output not ready at the end of the timed region "
+                                                                    f"in {unready[name]} of {iters} iterations")
+        if timed and program.verdict.ok and program.judged is not None:
+            program.verdict = program.judged
+        result.verdicts[name] = program.verdict
+        if not timed:
+            result.times.pop(name, None)
 
 
-def _iteration(ctx: ProgramContext, name: str, i: int, program: Any, state: Any, inputs: dict, out: torch.Tensor,
-               untouched: torch.Tensor | None) -> tuple[float, bool]:
-    """One timed run; any exception aborts the job, named after the program (peers cannot be
-    released from the barrier they wait in, so the pool restarts)."""
-    try:
-        return _timed_iteration(ctx, program, state, inputs, out, untouched)
-    except Exception as exc:
-        raise _run_failure(ctx, name, f"benchmark iteration {i}", exc) from exc
+def _still_ok(program: _Program) -> bool:
+    """Collective (lines the ranks up before an iteration): False, and the program's processes
+    killed on every rank, once any rank's run of it failed."""
+    if program.agree():
+        return True
+    program.active = False
+    program.close()
+    return False
 
 
-def _run_failure(ctx: ProgramContext, name: str, when: str, exc: Exception) -> Exception:
-    """The error that aborts a benchmark job when a program's run() raised."""
-    text = f"program {name!r}, {when}: run() raised {type(exc).__name__}: {exc} (rank {ctx.rank})"
-    return StickyCudaError(text) if is_sticky_cuda_error(text) else RuntimeError(text)
+def _input_set_count(job: _Job, probe: dict[str, torch.Tensor] | None) -> int:
+    """Every rank uses the same count of rotating sets."""
+    size = sum(t.numel() * t.element_size() for t in probe.values()) if probe is not None else 1
+    count = torch.tensor([input_sets_for(size)])
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=job.group)
+    return int(count.item())
 
 
-def _bench_verdict(ctx: ProgramContext, wl: Workload, name: str, shape: Shape, out: torch.Tensor, ref: torch.Tensor,
-                   untouched: torch.Tensor | None, seed: int, unready: int, iters: int) -> Verdict:
-    steps = _Steps(ctx.rank, shape.label)
-    if unready:
-        steps.fail(FailureClass.SUSPECT, f"output not ready at the end of the timed region in {unready} of {iters} iterations")
-        return steps.verdict
-    steps.seed = seed
-    verdict = steps.harness("judging the output", judge_output, out, ref, wl.tolerance(), untouched)
-    if not verdict.ok:
-        steps.fail(verdict.failure, f"benchmark's last iteration: {verdict.message}")
-    return steps.verdict
+def _fresh_seeds(job: _Job, names: list[str], count: int) -> dict[str, list[int]]:
+    """Per program, `count` seeds (one per timed iteration, then per input set, then per warm-up
+    iteration): drawn by rank 0's judge after the programs started, from the OS's randomness, the
+    same on every rank."""
+    drawn = [{n: [secrets.randbelow(1 << 40) for _ in range(count)] for n in names} if job.ctx.rank == 0 else None]
+    dist.broadcast_object_list(drawn, src=0, group=job.group)
+    return drawn[0]
+
+
+def _draw(wl: Workload, program: _Program, shape: Shape, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """This rank's inputs of `seed` and its untouched mask, in the judge's own memory."""
+    ctx = program.ctx
+    values = program.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seed, ctx.device)
+    untouched = program.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
+    return values, untouched
+
+
+def _l2_flush_buffer(ctx: ProgramContext) -> torch.Tensor | None:
+    """GPUs: 2x L2 of scratch the judge zeroes before each timed run, so inputs written just before
+    it are not served from cache."""
+    if not ctx.is_cuda:
+        return None
+    return torch.empty(2 * H200.l2_bytes, dtype=torch.uint8, device=ctx.device)
+
+
+def _timed(program: _Program, index: int, values: dict[str, torch.Tensor], untouched: torch.Tensor | None,
+           flush: torch.Tensor | None) -> tuple[float | None, bool]:
+    """One timed run on input set `index`, which gets `values` only now, measured by the judge:
+    (seconds, output ready when the timer stopped), or (None, False) when the run failed.
+    CPU: the wall time of the round trip (request, run, answer). GPUs: CUDA events on the judge's
+    stream, held until the run is queued (`hold_stream`); behind the hold the judge writes the
+    values, poisons the output and flushes L2, lines the GPUs up (device barrier), records its
+    start event and the 'go' event the program's stream waits for; its end event waits for the
+    program's 'done' event, and the output is checked for poison right after it."""
+    ctx = program.ctx
+    if not ctx.is_cuda:
+        program.fill(index, values)
+        poison_(program.out)
+        began = time.perf_counter()
+        program.call("run()", ("run", index, "timed"))
+        seconds = time.perf_counter() - began
+        if not program.ok:
+            return None, False
+        return seconds, not bool(not_ready(program.out, untouched))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    release = ctx.hold_stream()
+    program.fill(index, values)
+    poison_(program.out)
+    flush.zero_()
+    if ctx.world_size > 1:
+        ctx.device_barrier()
+    start.record()
+    program.go.record()
+    program.call("run()", ("run", index, "timed"))
+    if not program.ok:
+        release()
+        torch.cuda.synchronize(ctx.device)
+        return None, False
+    torch.cuda.current_stream(ctx.device).wait_event(program.done)
+    end.record()
+    release()
+    unready = not_ready(program.out, untouched)
+    torch.cuda.synchronize(ctx.device)
+    return start.elapsed_time(end) * 1e-3, not bool(unready)
 
 
 # -- calibration ----------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ from commweave.contracts.verdict import Verdict
 MAX_INPUT_SETS = 16
 MAX_ROTATION_BYTES = 8 << 30
 INTERLEAVE_BLOCK = 5  # iterations of one program in a row before the next program's turn
+#: a timed iteration's output is judged with probability 1/VERIFY_ONE_IN (decided by the judge after
+#: the run, so no program can tell which ones count), and the last one always: a program that skips
+#: its work in k timed iterations (a stale output) passes with probability 2^-k, and moving the
+#: median takes k >= iters / 2
+VERIFY_ONE_IN = 2
 
 
 def input_sets_for(set_bytes: int) -> int:

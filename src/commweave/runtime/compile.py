@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from commweave.runtime.toolchain import cache_dir, find_nccl, nvcc_path, nvcc_version
+from commweave.runtime.toolchain import cache_dir, find_nccl, nvcc_path, nvcc_version, shared_cache_dirs
 
 ARCH_FLAGS = ("-arch=sm_90",)
 BASE_FLAGS = ("-std=c++17", "-O3", "-lineinfo")
@@ -47,6 +47,11 @@ def _key(source: str, kind: str, flags: tuple[str, ...]) -> str:
 
 def _run_nvcc(source: str, kind: str, flags: tuple[str, ...], out_suffix: str, extra_tail: tuple[str, ...]) -> CompiledArtifact:
     key = _key(source, kind, flags + extra_tail)
+    for shared in shared_cache_dirs():
+        hit = shared / kind / f"{key}{out_suffix}"
+        if hit.exists():
+            log_path = hit.with_suffix(".log")
+            return CompiledArtifact(hit, log_path.read_text() if log_path.exists() else "", cached=True)
     folder = cache_dir() / kind
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{key}{out_suffix}"

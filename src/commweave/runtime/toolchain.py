@@ -124,3 +124,10 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("COMMWEAVE_CACHE") or Path.home() / ".cache" / "commweave")
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def shared_cache_dirs() -> list[Path]:
+    """Read-only caches searched before `cache_dir()` (COMMWEAVE_CACHE_SHARED, os.pathsep-separated):
+    a confined program process reads the judge's artefacts there and writes what it compiles
+    itself to its private cache, so no candidate can plant an artefact another program loads."""
+    return [Path(p) for p in os.environ.get("COMMWEAVE_CACHE_SHARED", "").split(os.pathsep) if p]

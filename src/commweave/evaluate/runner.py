@@ -1,0 +1,144 @@
+"""The program side of the cascade: what runs inside a program process (runtime/candidate.py).
+
+It loads one program and, on the judge's requests, sets it up, runs it on the judge's shared
+buffers, and tears it down. Nothing here is trusted: a candidate may patch any of it, and the
+judge assumes so (it writes the inputs, poisons and reads the output, and times from its own
+side). Requests: ('load', text, name) -> reason it cannot run or None; ('setup', shape,
+symmetric_bytes) -> bytes it holds (GPUs); ('buffers',) then the block (shared_buffers) -> the
+IPC handle of its 'done' event (GPUs); ('run', set, mode) with mode 'check', 'warm' or 'timed';
+('memory', set) -> bytes two calls add at their peak (GPUs); ('teardown',); ('exit',).
+Answers: ('ok', value) or ('error', type, message, traceback).
+"""
+
+from __future__ import annotations
+
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from commweave.contracts.context import ProgramContext
+from commweave.contracts.poison import poison_
+from commweave.contracts.program import load_program, unavailable_reason
+from commweave.runtime.pool import is_sticky_cuda_error
+from commweave.runtime.shared_buffers import receive_buffers
+
+
+def held_bytes(ctx: ProgramContext) -> int:
+    """Device memory held right now: torch's allocated tensors and the symmetric windows in use."""
+    if not ctx.is_cuda:
+        return 0
+    return torch.cuda.memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
+
+
+class _Served:
+    """One program in this process, and the judge's buffers it runs on."""
+
+    def __init__(self, ctx: ProgramContext):
+        self.ctx = ctx
+        self.program: Any = None
+        self.state: Any = None
+        self.inputs: list[dict[str, torch.Tensor]] = []
+        self.out: torch.Tensor | None = None
+        self.symmetric: torch.Tensor | None = None  # the output window a symmetric-output workload gets
+        self.go: Any = None
+        self.done: Any = None
+        self._keep: Any = None
+
+    def load(self, text: str, name: str) -> str | None:
+        self.program = load_program(text, name)
+        return unavailable_reason(self.program, self.ctx)
+
+    def setup(self, shape: Any, symmetric_bytes: int) -> int:
+        if symmetric_bytes:  # the harness's output, not counted as the program's memory
+            self.symmetric = self.ctx.symmetric((symmetric_bytes,), torch.uint8, zero=False)
+        before = held_bytes(self.ctx)
+        self.state = self.program.setup(self.ctx, shape)
+        return held_bytes(self.ctx) - before
+
+    def buffers(self, conn: Connection, go_handle: bytes | None) -> bytes | None:
+        tensors, self._keep = receive_buffers(conn)
+        self.out = tensors.pop("out")
+        sets: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            index, _, name = key.partition(".")
+            sets.setdefault(int(index[2:]), {})[name] = tensor
+        self.inputs = [sets[i] for i in sorted(sets)]
+        if self.symmetric is not None:
+            nbytes = self.out.numel() * self.out.element_size()
+            self.symmetric = self.symmetric[:nbytes].view(self.out.dtype).view(self.out.shape)
+        if not self.ctx.is_cuda:
+            return None
+        self.go = torch.cuda.Event.from_ipc_handle(self.ctx.device, go_handle)
+        self.done = torch.cuda.Event(interprocess=True)
+        return self.done.ipc_handle()
+
+    def run(self, index: int, mode: str) -> None:
+        """One call on input set `index`. On GPUs the stream first waits for the judge's 'go'
+        event and records 'done' after the call (and the copy out of a symmetric output)."""
+        target = self.symmetric if self.symmetric is not None else self.out
+        if self.ctx.is_cuda:
+            if self.symmetric is not None:
+                poison_(self.symmetric)
+            torch.cuda.current_stream(self.ctx.device).wait_event(self.go)
+        self.program.run(self.ctx, self.state, dict(self.inputs[index]), target)
+        if self.ctx.is_cuda:
+            if self.symmetric is not None:
+                self.out.copy_(self.symmetric)
+            self.done.record()
+            if mode != "timed":
+                torch.cuda.synchronize(self.ctx.device)
+
+    def memory(self, index: int) -> int:
+        """What two calls add at their peak and keep (workspaces, graph pools)."""
+        torch.cuda.current_stream(self.ctx.device).wait_event(self.go)  # the judge's writes to the inputs
+        torch.cuda.synchronize(self.ctx.device)
+        before = held_bytes(self.ctx)
+        torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        target = self.symmetric if self.symmetric is not None else self.out
+        for _ in range(2):
+            self.program.run(self.ctx, self.state, dict(self.inputs[index]), target)
+        torch.cuda.synchronize(self.ctx.device)
+        peak = torch.cuda.max_memory_allocated(self.ctx.device) + self.ctx.symmetric_bytes_in_use()
+        return max(peak - before, held_bytes(self.ctx) - before, 0)
+
+    def teardown(self) -> None:
+        teardown = getattr(self.program, "teardown", None)
+        if teardown is not None:
+            teardown(self.ctx, self.state)
+        self.ctx.end_candidate()
+
+
+def serve(ctx: ProgramContext, conn: Connection) -> None:
+    """Answer the judge's requests until 'exit'; a sticky CUDA error ends the process after its
+    answer (the context is gone)."""
+    served = _Served(ctx)
+    while True:
+        request = conn.recv()
+        op = request[0]
+        try:
+            if op == "load":
+                value = served.load(request[1], request[2])
+            elif op == "setup":
+                value = served.setup(request[1], request[2])
+            elif op == "buffers":
+                value = served.buffers(conn, request[1])
+            elif op == "run":
+                value = served.run(request[1], request[2])
+            elif op == "memory":
+                value = served.memory(request[1])
+            elif op == "teardown":
+                value = served.teardown()
+            elif op == "exit":
+                conn.send(("ok", None))
+                return
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception as exc:  # noqa: BLE001 - the judge classifies it
+            message = str(exc)
+            conn.send(("error", type(exc).__name__, message, traceback.format_exc()))
+            if is_sticky_cuda_error(f"{type(exc).__name__}: {message}"):
+                return
+            continue
+        conn.send(("ok", value))

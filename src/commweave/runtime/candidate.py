@@ -1,0 +1,350 @@
+"""Program processes: where a candidate's (or a baseline's) code runs, never in the judge.
+
+Each judge process (a `WorkerPool` worker, one per rank) owns a *zygote*: a Python interpreter
+exec'd with the allowlisted environment (`confine.candidate_env`, so no secret is in its memory
+or its /proc environ), which imports torch and the program side once and then only forks. For
+every program of a job, each judge asks its zygote for one *program process*: the fork confines
+itself (`confine.confined_child_setup`: own session, private directory, the program's shared
+network namespace, Landlock), builds a process group of its own with the other ranks' program
+processes of the same program (gloo on CPU, NCCL through `RankContext` on GPUs; rendezvous in a
+judge-made folder), says `ready`, and serves the judge's requests (`serve`, by import path) over
+a unix socket until it is told to exit or killed. A program process runs one program and dies;
+the judge kills its whole tree, and as a child subreaper also finds what escaped it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from pathlib import Path
+from typing import Any
+
+from commweave.runtime import confine
+
+ZYGOTE_START_S = 120.0  # an interpreter importing torch on a loaded machine
+
+
+class ProgramStartError(RuntimeError):
+    """A program process could not be started (zygote gone, confinement or process group failed)
+    before any program code ran: the machine's fault, never a candidate's."""
+
+
+# -- the zygote (its own interpreter) ---------------------------------------------------------------
+def _zygote_main(control_fd: int, preload: list[str]) -> None:
+    """Import once, then fork program processes on request and report their exit codes."""
+    import importlib
+
+    confine.die_with_parent()
+    for module in preload:
+        importlib.import_module(module)
+    control = Connection(control_fd)
+    codes: dict[int, int] = {}
+
+    def reap(pid: int | None = None, wait_s: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                done, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if done:
+                codes[done] = os.waitstatus_to_exitcode(status)
+                continue
+            if pid is None or pid in codes or time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
+
+    control.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = control.recv()
+        except EOFError:
+            os._exit(0)
+        reap()
+        if message[0] == "fork":
+            child_fd = recv_handle(control)
+            pid = os.fork()
+            if pid == 0:
+                control.close()
+                _program_main(child_fd, message[1])  # never returns
+            os.close(child_fd)
+            control.send(("forked", pid))
+        elif message[0] == "exitcode":
+            reap(message[1], wait_s=1.0)
+            control.send(("exitcode", codes.pop(message[1], None)))
+
+
+def _program_main(fd: int, args: dict[str, Any]) -> None:
+    """A program process: confine, join the program's process group, say ready, serve, exit."""
+    conn = Connection(fd)
+    try:
+        began = time.perf_counter()
+        checks = confine.confined_child_setup(
+            workdir=args["workdir"], env=args["env"], rank=args["rank"], world_size=args["world_size"],
+            rendezvous=args["rendezvous"], network=args["network"], filesystem=args["filesystem"], keep_fds=[fd])
+        confined = time.perf_counter()
+        from commweave.runtime.pool import _build_context, resolve_function
+
+        ctx = _build_context(args["rank"], args["world_size"], args["device"], str(Path(args["rendezvous"]) / "store"))
+        serve = resolve_function(args["serve"])
+    except BaseException as exc:  # noqa: BLE001 - reported to the judge, then this process ends
+        with contextlib.suppress(Exception):
+            conn.send(("init_failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        os._exit(2)
+    conn.send(("ready", {"confine_s": confined - began, "init_s": time.perf_counter() - confined,
+                         "confined": [c.line() for c in checks]}))
+    code = 0
+    try:
+        serve(ctx, conn)
+    except BaseException:  # noqa: BLE001 - serve reports program errors itself; anything else ends us
+        code = 1
+    os._exit(code)
+
+
+class Zygote:
+    """Judge side: the zygote process and its control socket."""
+
+    def __init__(self, preload: list[str]):
+        ours, theirs = socket.socketpair()
+        env = confine.candidate_env(os.environ)
+        if env.get("PYTHONPATH"):  # it starts in another directory: relative entries would point elsewhere
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from commweave.runtime.candidate import _zygote_main; "
+             "_zygote_main(int(sys.argv[1]), sys.argv[2:])", str(theirs.fileno()), *preload],
+            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=confine.candidates_root(),
+            start_new_session=True)
+        theirs.close()
+        self._control = Connection(ours.detach())
+        if not self._control.poll(ZYGOTE_START_S):
+            self.close()
+            raise ProgramStartError(f"the program zygote did not start within {ZYGOTE_START_S:.0f} s")
+        try:
+            _, self.pid = self._control.recv()
+        except EOFError:
+            code = self._proc.wait()
+            raise ProgramStartError(f"the program zygote exited with code {code} while importing "
+                                    f"{', '.join(preload)}") from None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def fork(self, args: dict[str, Any]) -> tuple[int, Connection]:
+        ours, theirs = socket.socketpair()
+        try:
+            self._control.send(("fork", args))
+            send_handle(self._control, theirs.fileno(), self.pid)
+            _, pid = self._control.recv()
+        except (EOFError, OSError) as exc:
+            raise ProgramStartError(f"the program zygote is gone: {exc}") from exc
+        finally:
+            theirs.close()
+        return pid, Connection(ours.detach())
+
+    def exit_code(self, pid: int) -> int | None:
+        with contextlib.suppress(EOFError, OSError):
+            self._control.send(("exitcode", pid))
+            return self._control.recv()[1]
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._control.close()
+        confine.kill_tree(self._proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+
+
+_ZYGOTE: Zygote | None = None
+_OWN_CHILDREN: set[int] = set()  # the judge's children before any zygote: never a candidate's
+PRELOAD = ["torch", "torch.distributed", "commweave.runtime.pool", "commweave.runtime.context",
+           "commweave.runtime.shared_buffers"]
+
+
+def zygote(serve: str) -> Zygote:
+    """This judge's zygote, started at first use (again if it died); the judge becomes a child
+    subreaper then, so whatever a program process double-forks stays below it."""
+    global _ZYGOTE
+    if _ZYGOTE is None or not _ZYGOTE.alive:
+        if _ZYGOTE is not None:
+            _ZYGOTE.close()
+        confine.become_subreaper()
+        _OWN_CHILDREN.update(confine.descendants(os.getpid()))
+        _ZYGOTE = Zygote([*PRELOAD, serve.partition(":")[0]])
+    return _ZYGOTE
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """Which optional confinements program processes get on this machine (decided once per judge);
+    `dropped` says which were given up and why."""
+
+    network: bool
+    filesystem: bool
+    dropped: str = ""
+
+
+_CONFINEMENT: Confinement | None = None
+
+
+def confinement(device: str, serve: str) -> Confinement:
+    """What this machine offers; on GPUs, also what lets a program process start CUDA and NCCL."""
+    global _CONFINEMENT
+    if _CONFINEMENT is None:
+        offered = Confinement(network=confine.net_namespace_available() is None, filesystem=confine.landlock_abi() >= 1)
+        _CONFINEMENT = _startable(offered, serve, device) if device == "cuda" else offered
+    return _CONFINEMENT
+
+
+def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
+    """Start a throwaway program process (a world of one; on GPUs its CUDA context and NCCL
+    communicator) under `offered`; where it cannot start, try without Landlock, then without the network namespace,
+    then without both, and warn which was dropped: a judge whose programs cannot start on its GPUs
+    judges nothing at all."""
+    tries = [offered, replace(offered, filesystem=False), replace(offered, network=False), Confinement(False, False)]
+    failures: list[str] = []
+    for rules in dict.fromkeys(tries):
+        rendezvous = make_rendezvous()
+        try:
+            proc = ProgramProcess.spawn(rank=0, world_size=1, device=device, rendezvous=rendezvous, serve=serve,
+                                        rules=rules)
+            proc.await_ready(time.monotonic() + ZYGOTE_START_S, lambda: False)
+            proc.close()
+        except ProgramStartError as exc:
+            failures.append(f"network namespace {rules.network}, Landlock {rules.filesystem}: {exc}")
+            continue
+        finally:
+            remove_rendezvous(rendezvous)
+        if not failures:
+            return rules
+        dropped = "; ".join(failures)
+        warnings.warn(f"program processes run with less confinement on this machine (network namespace "
+                      f"{rules.network}, Landlock {rules.filesystem}); none could start with more: {dropped}",
+                      stacklevel=2)
+        return replace(rules, dropped=dropped)
+    raise ProgramStartError("no program process can start on this machine: " + "; ".join(failures))
+
+
+# -- judge side: one program process --------------------------------------------------------------
+@dataclass
+class Reply:
+    """What came back from a request: 'ok' (value), 'error' (exception type, message, traceback),
+    'died' (exit code), 'timeout', or 'aborted' (a peer rank's judge gave up on this program)."""
+
+    status: str
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+
+
+@dataclass
+class ProgramProcess:
+    """Judge side of one rank's program process."""
+
+    pid: int
+    conn: Connection
+    zygote: Zygote
+    workdir: contextlib.ExitStack
+    ready: dict[str, Any] = field(default_factory=dict)
+    closed: bool = False
+
+    @classmethod
+    def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,
+              rules: Confinement) -> ProgramProcess:
+        """Fork a program process (it then confines itself by `rules` and joins its process group)."""
+        stack = contextlib.ExitStack()
+        workdir = stack.enter_context(confine.private_workdir())
+        z = zygote(serve)
+        args = dict(rank=rank, world_size=world_size, device=device, rendezvous=str(rendezvous), serve=serve,
+                    workdir=str(workdir), env=confine.candidate_env(os.environ, workdir),
+                    network=rules.network, filesystem=rules.filesystem)
+        try:
+            pid, conn = z.fork(args)
+        except ProgramStartError:
+            stack.close()
+            raise
+        return cls(pid, conn, z, stack)
+
+    def await_ready(self, deadline: float, abort: Callable[[], bool]) -> None:
+        """Wait until it is confined and its process group is up; ProgramStartError if not."""
+        reply = self.wait(deadline, abort)
+        if reply.status == "ok" and reply.value[0] == "ready":
+            self.ready = reply.value[1]
+            return
+        self.close()
+        if reply.status == "aborted":
+            raise ProgramStartError("aborted: a peer rank's program process failed to start")
+        what = reply.value[1] if reply.status == "ok" else {"died": f"it died (exit code {reply.value})",
+                                                             "timeout": "no answer in time"}[reply.status]
+        raise ProgramStartError(f"a program process did not start: {what}")
+
+    def wait(self, deadline: float, abort: Callable[[], bool]) -> Reply:
+        """The next message, unless the process dies, `deadline` passes or `abort()` turns true."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Reply("timeout")
+            try:
+                if self.conn.poll(min(0.05, remaining)):
+                    return Reply("ok", self.conn.recv())
+            except (EOFError, OSError):
+                return Reply("died", self.zygote.exit_code(self.pid))
+            if abort():
+                return Reply("aborted")
+
+    def request(self, message: Any, deadline: float, abort: Callable[[], bool],
+                then: Callable[[], None] | None = None) -> Reply:
+        """Send `message` (and whatever `then()` sends after it), then classify the answer:
+        ('ok', value) / ('error', type, message, tb)."""
+        try:
+            self.conn.send(message)
+            if then is not None:
+                then()
+        except OSError:
+            return Reply("died", self.zygote.exit_code(self.pid))
+        reply = self.wait(deadline, abort)
+        if reply.status != "ok":
+            return reply
+        tag, *rest = reply.value
+        if tag == "error":
+            return Reply("error", None, *rest)
+        return Reply("ok", rest[0] if rest else None)
+
+    def close(self) -> int:
+        """Kill the program process's whole tree, then whatever escaped it (double-forked, now our
+        children); remove its private directory. Returns how many processes had escaped: in a
+        session other than the program's, or reparented to the judge."""
+        if self.closed:
+            return 0
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        left = confine.left_session(self.pid)  # still below it, but in a session of their own
+        confine.kill_tree(self.pid)
+        self.zygote.exit_code(self.pid)  # let the zygote reap it
+        orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
+        self.workdir.close()
+        return len(left) + orphans
+
+
+def make_rendezvous() -> Path:
+    """A fresh folder the ranks of one program share (process-group store, network namespace)."""
+    return Path(tempfile.mkdtemp(prefix="rdzv_", dir=confine.candidates_root()))
+
+
+def remove_rendezvous(path: Path) -> None:
+    if path.exists():
+        confine.remove_tree(path)

@@ -1,0 +1,701 @@
+"""Confinement of candidate processes: code written by a search or a model runs here, and a
+search optimises against every hole in its judge.
+
+Trusted side (the judge, before it starts a program process): `candidate_env` (an allowlisted
+environment, given at exec so nothing else is in /proc/self/environ), `private_workdir` (a fresh
+0700 directory, removed after), `become_subreaper` and `kill_tree` (everything a candidate
+spawned, double-forked or not, is found and killed). Untrusted side, first thing in the program
+process: `confined_child_setup` (die with the parent, own session, no new privileges, the shared
+network namespace of the candidate's ranks with loopback up, Landlock: writes only to the private
+directory, /dev/shm, GPU device nodes and named paths, reads away from the run, the judge's home
+and working directory, disks and the kernel log, no signal or /proc access to processes outside).
+`status` says what is in force on this machine (`commweave doctor`). Linux only; ctypes
+syscalls, standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from commweave.runtime.pool import SAFE_ENV
+
+
+class ConfineError(RuntimeError):
+    """A confinement that was asked for could not be put in force."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One confinement: whether it is in force, and how or why not."""
+
+    name: str
+    in_force: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'yes' if self.in_force else 'NO '}  {self.name}: {self.detail}"
+
+
+# -- environment ------------------------------------------------------------------------------------
+ENV_KEEP = frozenset({
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "LANG", "TZ", "TERM", "USER", "LOGNAME",
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "COMMWEAVE_CACHE", "COMMWEAVE_CACHE_SHARED", "COMMWEAVE_NCCL_HOME",
+    "COMMWEAVE_NVCC",
+})
+ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "NVSHMEM_", "NVIDIA_", "TORCH_", "PYTORCH_", "TRITON_", "CUBLAS_", "CUDNN_")
+# Dropped even where a name or prefix above matches: whatever looks like a credential.
+ENV_DENY_WORDS = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
+
+
+def env_allowed(name: str) -> bool:
+    """Whether a variable of this name may reach a candidate."""
+    upper = name.upper()
+    if any(word in upper for word in ENV_DENY_WORDS):
+        return False
+    return name in ENV_KEEP or name.startswith(ENV_KEEP_PREFIXES)
+
+
+def candidate_env(base: Mapping[str, str], workdir: Path | str | None = None,
+                  extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a program process is exec'd with: `base` and `extra` through the allowlist,
+    HOME/TMPDIR/caches inside `workdir` (its private directory, when given), multicast off, and
+    the judge's compile cache named (with `workdir`: as COMMWEAVE_CACHE_SHARED, read-only, and a
+    private COMMWEAVE_CACHE for what the program compiles itself)."""
+    from commweave.runtime.toolchain import cache_dir
+
+    env = {k: v for k, v in {**base, **(extra or {})}.items() if env_allowed(k)}
+    judges_cache = env.get("COMMWEAVE_CACHE") or str(cache_dir())
+    env["COMMWEAVE_CACHE"] = judges_cache
+    if workdir is not None:
+        home, tmp = Path(workdir) / "home", Path(workdir) / "tmp"
+        # the judge's cache is read-only to it (a planted artefact would run in other programs);
+        # what it compiles itself goes to a cache of its own
+        env["COMMWEAVE_CACHE_SHARED"] = os.pathsep.join(filter(None, [judges_cache, env.get("COMMWEAVE_CACHE_SHARED")]))
+        env["COMMWEAVE_CACHE"] = str(home / ".cache" / "commweave")
+        env.update(HOME=str(home), TMPDIR=str(tmp), XDG_CACHE_HOME=str(home / ".cache"),
+                   TRITON_CACHE_DIR=str(home / ".cache" / "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=str(home / ".cache" / "inductor"))
+    env.update(SAFE_ENV)
+    return env
+
+
+RUN_PATHS_ENV = "COMMWEAVE_DENY_READ"
+
+
+def run_paths(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The run's folders (its database, logs) that candidates must not read, wherever they are:
+    $COMMWEAVE_DENY_READ (os.pathsep-separated), set for the pool by whoever knows the run; the
+    judge passes them as `confined_child_setup(deny_read=...)`. The variable itself, like every
+    COMMWEAVE_* path, never reaches a candidate's environment."""
+    return [p for p in env.get(RUN_PATHS_ENV, "").split(os.pathsep) if p]
+
+
+# -- private directory ------------------------------------------------------------------------------
+def candidates_root() -> Path:
+    """The folder holding every candidate's private directory (0700, one per machine user)."""
+    root = Path(tempfile.gettempdir()) / f"cw_candidates_{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    if root.is_symlink() or root.stat().st_uid != os.getuid():
+        raise ConfineError(f"{root} is not a directory of this user: refusing to put candidates there")
+    os.chmod(root, 0o700)
+    return root
+
+
+@contextlib.contextmanager
+def private_workdir(root: Path | None = None) -> Iterator[Path]:
+    """A fresh 0700 directory with home/ and tmp/ inside, removed (with whatever the candidate
+    left there) when the block ends."""
+    path = Path(tempfile.mkdtemp(prefix="cand_", dir=root or candidates_root()))
+    try:
+        (path / "home").mkdir(mode=0o700)
+        (path / "tmp").mkdir(mode=0o700)
+        yield path
+    finally:
+        remove_tree(path)
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also removes what a candidate made unwritable (chmod 0) inside. Only folders
+    are unlocked, through descriptors opened without following links: a link the candidate left
+    never makes us chmod its target."""
+    def unlock(func, name, _exc):  # noqa: ANN001 - shutil's onerror signature
+        for folder in (os.path.dirname(name), name):
+            with contextlib.suppress(OSError):
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    os.fchmod(fd, 0o700)
+                finally:
+                    os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            func(name)
+
+    shutil.rmtree(path, onerror=unlock)
+
+
+# -- processes --------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+
+
+def _prctl(option: int, arg: int = 0) -> int:
+    result = _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+    return result
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """PR_SET_PDEATHSIG: this process gets `sig` when the thread that forked it ends; exits at
+    once if `parent` (default: the current parent) is already gone. Reset by fork: every process
+    calls it for itself."""
+    expected = os.getppid() if parent is None else parent
+    _prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != expected:
+        os._exit(1)
+
+
+def new_session() -> None:
+    """Lead a session and process group of its own (a no-op where it already does), so the judge
+    can kill the whole group and the candidate's killpg(0) reaches only its own processes."""
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+
+
+def become_subreaper() -> None:
+    """Orphans among our descendants (a double-forked daemon) are reparented to us, not to init,
+    so `kill_tree(os.getpid(), keep=...)` still finds them."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found: set[int] = set()
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if p not in found:
+            found.add(p)
+            todo.extend(children.get(p, []))
+    return found
+
+
+def left_session(pid: int) -> set[int]:
+    """Descendants of `pid` in a session other than its own: a program process leads its session,
+    so anything below it elsewhere called setsid() to dodge a group kill (honest programs do not)."""
+    try:
+        session = os.getsid(pid)
+    except ProcessLookupError:
+        return set()
+    escaped = set()
+    for child in descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getsid(child) != session:
+                escaped.add(child)
+    return escaped
+
+
+def kill_tree(pid: int, keep: Iterable[int] = (), include_root: bool = True) -> int:
+    """SIGKILL `pid` (unless include_root=False), its process group when it leads one, and every
+    descendant except `keep` and their own descendants; descendants are stopped first so none can
+    fork away while we walk. Repeats until no victim is left. Returns how many were signalled."""
+    kept = set(keep)
+    for k in list(kept):
+        kept |= descendants(k)
+    killed: set[int] = set()
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+    for _ in range(50):
+        victims = (descendants(pid) - kept) | ({pid} if include_root else set())
+        victims = {v for v in victims if _alive(v)}
+        if not victims:
+            break
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for v in victims:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(v, sig)
+        killed |= victims
+        _reap(victims)
+    return len(killed)
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect our own children among `pids` (others are reaped by their parents)."""
+    deadline = time.monotonic() + 2.0
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done:
+                break
+            time.sleep(0.005)
+
+
+# -- network namespace ------------------------------------------------------------------------------
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+NETNS_FILE = "netns.json"
+
+
+def _unshare(flags: int) -> None:
+    if _libc.unshare(ctypes.c_int(flags)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare: {os.strerror(err)}")
+
+
+def _setns(path: str, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, ctypes.c_int(flags)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock.fileno(), SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+
+
+def _ns_inode(kind: str, pid: int | str = "self") -> int:
+    return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+
+
+def new_net_namespace() -> str:
+    """This thread (and what it forks afterwards) moves into a fresh network namespace with only
+    loopback, up. As root directly; otherwise inside a new user namespace (where unprivileged user
+    namespaces are allowed). Returns how. Call it while single-threaded, before any socket."""
+    if os.geteuid() == 0:
+        _unshare(CLONE_NEWNET)
+        how = "as root"
+    else:
+        uid, gid = os.geteuid(), os.getegid()
+        _unshare(CLONE_NEWUSER | CLONE_NEWNET)
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+        how = "in a user namespace"
+    _loopback_up()
+    return how
+
+
+def share_net_namespace(rank: int, rendezvous: Path, timeout_s: float = 60.0) -> str:
+    """All ranks of one program in one network namespace: rank 0 makes it (`new_net_namespace`) and
+    publishes its pid and namespace inode in `rendezvous`; the others wait for that and join it.
+    Must run before any other confinement (joining needs ptrace access to rank 0, which Landlock
+    removes)."""
+    target = rendezvous / NETNS_FILE
+    if rank == 0:
+        how = new_net_namespace()
+        staged = rendezvous / f".{NETNS_FILE}.{os.getpid()}"
+        staged.write_text(json.dumps({"pid": os.getpid(), "net": _ns_inode("net"), "user": _ns_inode("user")}))
+        staged.replace(target)
+        return how
+    deadline = time.monotonic() + timeout_s
+    while not target.exists():
+        if time.monotonic() > deadline:
+            raise ConfineError(f"rank 0 published no network namespace in {rendezvous} within {timeout_s:.0f} s")
+        time.sleep(0.01)
+    info = json.loads(target.read_text())
+    pid = info["pid"]
+    if _ns_inode("net", pid) != info["net"]:
+        raise ConfineError(f"rank 0's network namespace (pid {pid}) is gone")
+    if _ns_inode("user", pid) != _ns_inode("user"):
+        _setns(f"/proc/{pid}/ns/user", CLONE_NEWUSER)
+    _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET)
+    if _ns_inode("net") != info["net"]:
+        raise ConfineError(f"joined the wrong network namespace (rank 0 was pid {pid})")
+    return "joined rank 0's"
+
+
+def net_namespace_available() -> str | None:
+    """None if this machine lets us make a network namespace (tried in a throwaway child), else why not."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: try, report, leave without running any of the parent's cleanup
+        os.close(read)
+        try:
+            new_net_namespace()
+            message = b""
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer
+            message = f"{type(exc).__name__}: {exc}".encode()[:500]
+        os.write(write, message)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return message or None
+
+
+# -- Landlock ---------------------------------------------------------------------------------------
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_WRITE_ABI1 = sum(1 << b for b in range(4, 13))  # remove dir/file, make char/dir/reg/sock/fifo/block/sym
+FS_REFER, FS_TRUNCATE = 1 << 13, 1 << 14
+SCOPE_SIGNAL = 1 << 1
+FS_READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where Landlock is missing or disabled."""
+    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"):
+        return 0
+    version = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                            ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return max(version, 0)
+
+
+def _fs_write_rights(abi: int) -> int:
+    return FS_WRITE_FILE | FS_WRITE_ABI1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
+
+
+def _real(path: Path | str) -> str:
+    return os.path.realpath(os.path.abspath(path))
+
+
+def _readable_roots(deny: list[str], start: str = "/") -> list[str]:
+    """Paths whose subtrees together cover `start`'s tree except `deny` (and except the listing of
+    the denied paths' ancestors, which a Landlock rule cannot grant without granting everything
+    below)."""
+    roots: list[str] = []
+
+    def walk(folder: str) -> None:
+        try:
+            entries = sorted(os.listdir(folder))
+        except OSError:
+            return
+        for name in entries:
+            path = os.path.join(folder, name)
+            if path in deny:
+                continue
+            if any(d.startswith(path.rstrip("/") + "/") for d in deny) and os.path.isdir(path) and not os.path.islink(path):
+                walk(path)
+            else:
+                roots.append(path)
+
+    walk(start)
+    return roots
+
+
+def _beneath(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _granting_none_of(paths: Iterable[str], protect: list[str]) -> list[str]:
+    """`paths`, where one holds a protected path, replaced by its parts that do not; a path
+    beneath a protected one is dropped."""
+    granted: list[str] = []
+    for path in paths:
+        if any(_beneath(path, p) for p in protect):
+            continue
+        inside = [p for p in protect if _beneath(p, path)]
+        granted += _readable_roots(inside, start=path) if inside else [path]
+    return granted
+
+
+# Device nodes a program process may open (read and write), by name prefix: shared memory, the
+# harmless character devices, NVIDIA's GPU/UVM/NVSwitch/capability nodes, RDMA and GDRCopy (NCCL's
+# network plugins). Never a disk, /dev/mem, the kernel log or a terminal: as root those would read the
+# very files the other rules deny.
+DEVICES = ("shm", "null", "zero", "full", "random", "urandom", "nvidia", "infiniband", "gdrdrv", "hugepages")
+
+
+def _device_paths() -> list[str]:
+    return [os.path.join("/dev", e) for e in sorted(os.listdir("/dev")) if e.startswith(DEVICES)]
+
+
+# System-wide /proc entries that show more than this process's business: physical memory and
+# page maps, the kernel log, the kernel's keyrings.
+PROC_WITHHELD = frozenset({"kcore", "kmsg", "kpagecount", "kpageflags", "kpagecgroup", "keys", "key-users",
+                           "sysrq-trigger", "self", "thread-self"})
+
+
+def _own_proc_entries() -> list[str]:
+    """/proc as a program process may read it: its own /proc/<pid> and the system-wide entries
+    (cpuinfo, meminfo, sys/, driver/, ...) but PROC_WITHHELD, never another process's directory
+    (environ, cmdline, fd/, maps of the judge or of anyone else); /proc itself cannot be listed."""
+    entries = [os.path.join("/proc", e) for e in os.listdir("/proc") if not e.isdigit() and e not in PROC_WITHHELD]
+    return [*entries, f"/proc/{os.getpid()}"]
+
+
+def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable[Path | str] = (),
+                        readable: Iterable[Path | str] = (), protect: Iterable[Path | str] = (),
+                        private_proc: bool = True) -> int:
+    """Landlock this process and all it starts later: writes only beneath `writable` and the
+    DEVICES of /dev (/dev/shm, GPU nodes); reads everywhere except beneath `deny_read`, `protect`,
+    other processes' /proc entries and the rest of /dev, with `readable` (and `writable`)
+    re-allowed inside denied trees but never over a `protect`ed path (a readable folder holding
+    one is granted around it); with ABI >= 6 no
+    signals to processes outside this domain. Processes this one starts later cannot read their
+    own /proc/<pid> either (private_proc=False leaves /proc readable). Returns the ABI used;
+    raises ConfineError where Landlock is unavailable."""
+    abi = landlock_abi()
+    if abi < 1:
+        raise ConfineError("Landlock is not available on this kernel")
+    write = _fs_write_rights(abi)
+    attr = _RulesetAttr(FS_READ | write, 0, SCOPE_SIGNAL if abi >= 6 else 0)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else 8  # older kernels know only handled_access_fs
+    ruleset = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise ConfineError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        protected = sorted({_real(p) for p in (*protect, *(["/proc"] if private_proc else []))})
+        deny = sorted({_real(p) for p in (*deny_read, "/dev")} | set(protected))
+        writable_paths = [_real(p) for p in (*writable, *_device_paths())]
+        rules = [(p, FS_READ) for p in _readable_roots(deny)]
+        rules += [(p, FS_READ) for p in (_own_proc_entries() if private_proc else [])]
+        # its own threads' files (task/<tid>/comm: naming another thread, as CUDA's driver does)
+        rules += [(f"/proc/{os.getpid()}", FS_READ | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))]
+        rules += [(p, FS_READ) for p in _granting_none_of([_real(p) for p in readable], protected)]
+        rules += [(p, FS_READ | write) for p in writable_paths]
+        for path, access in rules:
+            _add_path_rule(ruleset, path, access)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if _libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
+            raise ConfineError(f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def _add_path_rule(ruleset: int, path: str, access: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return  # gone, or a dangling link: nothing to grant
+    try:
+        if not os.path.isdir(path):
+            access &= FS_EXECUTE | FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE  # file rules take file rights only
+        rule = _PathBeneathAttr(access, fd)
+        if _libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                         ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+            err = ctypes.get_errno()
+            raise ConfineError(f"landlock_add_rule {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def default_deny_read() -> list[str]:
+    """What a candidate never reads, whatever the caller adds: the temp folders (other candidates,
+    the pool's rendezvous, run files placed there), the user's home (keys, tokens, configs) and
+    the judge's working directory (where runs and their databases are written). Call it before
+    the environment and working directory are swapped for the candidate's."""
+    paths = {tempfile.gettempdir(), "/tmp", "/var/tmp", pwd.getpwuid(os.getuid()).pw_dir, os.getcwd(), "/root"}
+    return sorted(p for p in paths if _real(p) != "/")
+
+
+def default_readable() -> list[str]:
+    """Re-allowed inside denied trees: the Python installation and import path (the package,
+    site-packages, the workload's folder), and the compile cache and toolchain (read-only)."""
+    paths = [p for p in {sys.prefix, sys.exec_prefix, sys.base_prefix, *sys.path} if p and os.path.exists(p)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.exists(p)]
+    paths += [p for p in os.environ.get("COMMWEAVE_CACHE_SHARED", "").split(os.pathsep) if p and os.path.exists(p)]
+    for name in ("COMMWEAVE_NCCL_HOME", "CUDA_HOME"):
+        if os.environ.get(name):
+            paths.append(os.environ[name])
+    return paths
+
+
+def close_fds(keep: Iterable[int] = ()) -> None:
+    """Close every descriptor >= 3 but `keep` (what the judge passed on purpose)."""
+    kept = sorted({fd for fd in keep if fd >= 3})
+    low = 3
+    for fd in [*kept, 1 << 20]:
+        if low < fd:
+            os.closerange(low, fd)
+        low = fd + 1
+
+
+# -- the program process ---------------------------------------------------------------------------
+def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: int = 0, world_size: int = 1,
+                         rendezvous: Path | str | None = None, writable: Iterable[Path | str] = (),
+                         deny_read: Iterable[Path | str] = (), keep_fds: Iterable[int] | None = None,
+                         network: bool = True, filesystem: bool = True, memory_limit_bytes: int | None = None,
+                         parent: int | None = None, private_reads: bool = True) -> list[Check]:
+    """First call in a program process, before candidate code: dies with its parent, leads its own
+    session, runs in `workdir` with `env`, joins its program's network namespace (through
+    `rendezvous`, the judge-made folder its ranks share; also writable), Landlock (see
+    `restrict_filesystem`; `deny_read`, e.g. the run's folder, stays unreadable even where an
+    import path holds it), optional data-size limit, then closes fds but `keep_fds` (None: leave
+    them). Returns what is in force; raises ConfineError where an asked-for piece cannot be had —
+    pass network=False / filesystem=False where `status()` says the machine lacks it
+    (private_reads=False: Landlock on writes and signals only, for `probe_cuda`)."""
+    checks = []
+    denied = default_deny_read()  # before the swap below
+    protected = [str(Path(workdir).parent), *map(str, deny_read)]  # other candidates, the run: never re-allowed
+    die_with_parent(parent=parent)
+    checks.append(Check("pdeathsig", True, "SIGKILL when the parent dies"))
+    new_session()
+    checks.append(Check("process group", True, f"own session {os.getsid(0)}"))
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(workdir)
+    tempfile.tempdir = None  # re-read TMPDIR
+    checks.append(Check("private dir", True, str(workdir)))
+    if network:
+        if world_size > 1 and rendezvous is None:
+            raise ConfineError("a network namespace for several ranks needs their rendezvous folder")
+        try:
+            how = share_net_namespace(rank, Path(rendezvous)) if world_size > 1 else new_net_namespace()
+        except OSError as exc:
+            raise ConfineError(f"network namespace: {exc}") from exc
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the only interface there: no guessing from the hostname
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        checks.append(Check("network namespace", True, f"{how}, loopback only"))
+    if memory_limit_bytes is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_limit_bytes, memory_limit_bytes))
+        checks.append(Check("memory limit", True, f"RLIMIT_DATA {memory_limit_bytes >> 20} MiB"))
+    if filesystem:
+        extra_writable = [workdir, *writable, *([rendezvous] if rendezvous is not None else [])]
+        if private_reads:
+            abi = restrict_filesystem(writable=extra_writable, deny_read=denied, readable=default_readable(),
+                                      protect=protected)
+        else:
+            abi = restrict_filesystem(writable=extra_writable, private_proc=False)
+        checks.append(Check("landlock", True, f"ABI {abi}: writes to the private dir, /dev/shm and GPU nodes only; "
+                                              f"run, home, temp, disks and other processes unreadable"
+                                              f"{'; no signals out' if abi >= 6 else ''}"))
+    else:
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if keep_fds is not None:
+        close_fds(keep_fds)
+    return checks
+
+
+# -- does CUDA start under it? ---------------------------------------------------------------------
+CUDA_PROBES = {  # name -> confined_child_setup flags; the first is what program processes get
+    "everything": dict(network=True, filesystem=True),
+    "network namespace only": dict(network=True, filesystem=False),
+    "Landlock only": dict(network=False, filesystem=True),
+    "Landlock on writes and signals only": dict(network=False, filesystem=True, private_reads=False),
+}
+_PROBE_CHILD = """
+import json, sys
+from commweave.runtime import confine
+flags = json.loads(sys.argv[3])
+try:
+    confine.confined_child_setup(workdir=sys.argv[1], env=json.loads(sys.argv[2]), **flags)
+    import torch
+    count = torch.cuda.device_count()
+    if count == 0:
+        print(json.dumps({"ok": False, "detail": "no CUDA GPU visible"}))
+    else:
+        value = torch.ones(4, device="cuda").sum().item()
+        print(json.dumps({"ok": value == 4.0, "detail": f"{count} GPU(s), a kernel ran"}))
+except BaseException as exc:
+    print(json.dumps({"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+"""
+
+
+def probe_cuda(names: Iterable[str] | None = None, timeout_s: float = 180.0) -> list[Check]:
+    """Start a fresh interpreter under each confinement of `names` (default: all of CUDA_PROBES)
+    and see whether CUDA initialises and runs a kernel there: which piece, if any, a GPU driver
+    cannot live with. Fresh interpreters, not forks: a fork cannot use CUDA its parent started."""
+    import subprocess
+
+    checks = []
+    for name in names or CUDA_PROBES:
+        with private_workdir() as workdir:
+            env = candidate_env(os.environ, workdir)
+            argv = [sys.executable, "-c", _PROBE_CHILD, str(workdir), json.dumps(env), json.dumps(CUDA_PROBES[name])]
+            try:
+                done = subprocess.run(argv, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s,
+                                      start_new_session=True)
+                lines = done.stdout.strip().splitlines()
+                answer = json.loads(lines[-1]) if lines else {"ok": False, "detail": done.stderr.strip()[-300:]}
+            except (subprocess.TimeoutExpired, ValueError) as exc:
+                answer = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}
+        checks.append(Check(f"CUDA under {name}", answer["ok"], answer["detail"]))
+    return checks
+
+
+# -- what this machine offers (commweave doctor) ---------------------------------------------------
+def status() -> list[Check]:
+    """One Check per confinement, as a program process on this machine would get it."""
+    checks = []
+    kept = sorted(k for k in os.environ if env_allowed(k))
+    checks.append(Check("env allowlist", True, f"{len(kept)} of {len(os.environ)} variables of this shell would "
+                                               f"reach a candidate: {', '.join(kept) or 'none'}"))
+    try:
+        with private_workdir() as path:
+            checks.append(Check("private dir", True, f"fresh 0700 dir per program under {path.parent}, removed after"))
+    except (OSError, ConfineError) as exc:
+        checks.append(Check("private dir", False, f"cannot create one: {exc}"))
+    abi = landlock_abi()
+    checks.append(Check("landlock", abi >= 1, f"ABI {abi}: writes only to its private dir, /dev/shm and GPU nodes; "
+                        f"no reads of temp, home, the judge's cwd, the run, disks or other processes' /proc"
+                        f"{'; no signals out' if abi >= 6 else ''}" if abi else
+                        "unavailable on this kernel: a candidate can read every file this user can "
+                        "(the DB path is still never passed, fds are still closed)"))
+    why_not = net_namespace_available()
+    how = "as root" if os.geteuid() == 0 else "with user namespaces"
+    checks.append(Check("network namespace", why_not is None,
+                        f"one per program ({how}), loopback only" if why_not is None
+                        else f"unavailable ({why_not}): a candidate can open sockets to anything this machine reaches"))
+    linux = sys.platform.startswith("linux")
+    checks.append(Check("pdeathsig", linux, "program processes get SIGKILL when their parent dies" if linux
+                        else "no prctl on this OS: a program process outlives a killed judge"))
+    checks.append(Check("process group", linux, "own session per program process, killed as a tree; the judge "
+                                                "is a child subreaper, so double-forked daemons are found too"
+                        if linux else "own session per program process; orphans escape to init"))
+    return checks
