@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine cycle: environment the brief requires, then each step given on the command line
-# ("tests [PYTEST ARGS]", "bench WORKLOAD GPUS [ARGS]", "py SCRIPT [ARGS]"), each logged under $OUT.
+# ("tests [PYTEST ARGS]", "bench WORKLOAD GPUS [ARGS]", "py SCRIPT [ARGS]", "cw COMMAND [ARGS]"), each
+# logged under $OUT; the tree is pip-installed first (editable, no dependencies) for its entry points.
 # Usage on the device: bash bench/gpu_session.sh 'tests -m gpu' 'bench moe 4'
 # More than 8 files under $OUT (what the device tool returns at most) are archived into $OUT/gpu-session.tgz.
 set -u
@@ -10,11 +11,15 @@ export COMMWEAVE_COMMIT="${COMMWEAVE_COMMIT:-unknown}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-540}"  # seconds per step; rc 124 means it ran out
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 summary="$OUT/summary.txt"
+# workloads are found through the installed package's entry points: install the tree (no network there)
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || echo "[install] failed: see install.log (workloads will not be registered)" | tee -a "$summary"
 for step in "$@"; do
   read -r kind rest <<<"$step"
   log="$OUT/$(echo "$step" | tr -c 'A-Za-z0-9-' '_' | cut -c1-60).log"
   start=$(date +%s)
   case "$kind" in
+    cw)    timeout "$STEP_TIMEOUT" python3 -m commweave $rest >"$log" 2>&1 ;;
     tests) timeout "$STEP_TIMEOUT" python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider $rest >"$log" 2>&1 ;;
     bench) read -r wl gpus args <<<"$rest"
            timeout "$STEP_TIMEOUT" python3 -m commweave.cli bench "$wl" --gpus "$gpus" --out-dir "$OUT" $args >"$log" 2>&1 ;;
