@@ -410,8 +410,12 @@ def evolve(
             if cluster is not None:
                 best, count, paused = run_on_cluster(plan, cluster, progress=progress, **evaluation)
             else:
+                from commweave.runtime.confine import RUN_PATHS_ENV
+
+                run_dir = str(path.resolve().parent)  # the run's database: never readable by a candidate
                 pools = [stack.enter_context(WorkerPool(plan.gpus, job_timeout_s=job_timeout,
-                                                        env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, group))}))
+                                                        env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, group)),
+                                                             RUN_PATHS_ENV: run_dir}))
                          for group in devices]
                 labels = [f"GPUs {','.join(map(str, group))}" for group in devices]
                 best, count, paused = run_on_pools(plan, pools, progress=progress, labels=labels, **evaluation)

@@ -36,6 +36,7 @@ from commweave.contracts.profile import H200
 from commweave.contracts.verdict import FailureClass, HarnessError, Verdict, WorkloadError
 from commweave.contracts.workload import Shape, Workload
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
+from commweave.evaluate.runner import WorkEscapedStream
 from commweave.evaluate.timing import VERIFY_ONE_IN, input_sets_for, interleaved_schedule
 from commweave.runtime.candidate import (
     ProgramProcess, ProgramStartError, confinement, make_rendezvous, remove_rendezvous,
@@ -220,8 +221,11 @@ class _Program:
             self.aborted = True
         elif reply.status == "error":
             text = f"{what} raised {reply.error_type}: {reply.message}"
-            sticky = is_sticky_cuda_error(text)
-            self.fail(FailureClass.ILLEGAL_ADDRESS if sticky else FailureClass.RUNTIME_ERROR, text, reply.traceback)
+            if reply.error_type == WorkEscapedStream.__name__:
+                self.fail(FailureClass.SUSPECT, f"{what}: {reply.message}", reply.traceback)
+            else:
+                sticky = is_sticky_cuda_error(text)
+                self.fail(FailureClass.ILLEGAL_ADDRESS if sticky else FailureClass.RUNTIME_ERROR, text, reply.traceback)
         elif reply.status == "died":
             self.fail(FailureClass.RUNTIME_ERROR, f"{what}: rank {self.ctx.rank}'s program process died "
                                                   f"(exit code {reply.value})")

@@ -32,6 +32,10 @@ def held_bytes(ctx: ProgramContext) -> int:
     return torch.cuda.memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
 
 
+class WorkEscapedStream(RuntimeError):
+    """The program's output changed after its current stream's work ended (judged `suspect`)."""
+
+
 class _Served:
     """One program in this process, and the judge's buffers it runs on."""
 
@@ -44,6 +48,7 @@ class _Served:
         self.symmetric: torch.Tensor | None = None  # the output window a symmetric-output workload gets
         self.go: Any = None
         self.done: Any = None
+        self.snapshot: torch.Tensor | None = None  # the output as the current stream left it (GPUs)
         self._keep: Any = None
 
     def load(self, text: str, name: str) -> str | None:
@@ -70,6 +75,7 @@ class _Served:
             self.symmetric = self.symmetric[:nbytes].view(self.out.dtype).view(self.out.shape)
         if not self.ctx.is_cuda:
             return None
+        self.snapshot = torch.empty_like(self.out)
         self.go = torch.cuda.Event.from_ipc_handle(self.ctx.device, go_handle)
         self.done = torch.cuda.Event(interprocess=True)
         return self.done.ipc_handle()
@@ -87,8 +93,21 @@ class _Served:
             if self.symmetric is not None:
                 self.out.copy_(self.symmetric)
             self.done.record()
-            if mode != "timed":
-                torch.cuda.synchronize(self.ctx.device)
+            self._check_stream_order()
+
+    def _check_stream_order(self) -> None:
+        """The output as the current stream's work left it must be the output once every stream
+        is idle: a write that lands later (side-stream work not joined back before run()
+        returned) escaped the judge's timed region. The snapshot is taken after 'done', untimed.
+        (One GPU time-slices the judge's and this process's contexts, so the judge's own check
+        right after 'done' may only see the late write already landed.)"""
+        self.snapshot.copy_(self.out)
+        torch.cuda.synchronize(self.ctx.device)
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self.out.element_size()]
+        if not torch.equal(self.snapshot.view(ints), self.out.view(ints)):
+            raise WorkEscapedStream("its output changed after run() returned and its work on the current stream "
+                                    "ended: work left on a side stream escapes the timed region (join side "
+                                    "streams back before returning)")
 
     def memory(self, index: int) -> int:
         """What two calls add at their peak and keep (workspaces, graph pools)."""

@@ -92,7 +92,8 @@ def _program_main(fd: int, args: dict[str, Any]) -> None:
         began = time.perf_counter()
         checks = confine.confined_child_setup(
             workdir=args["workdir"], env=args["env"], rank=args["rank"], world_size=args["world_size"],
-            rendezvous=args["rendezvous"], network=args["network"], filesystem=args["filesystem"], keep_fds=[fd])
+            rendezvous=args["rendezvous"], network=args["network"], filesystem=args["filesystem"],
+            deny_read=args["deny_read"], keep_fds=[fd])
         confined = time.perf_counter()
         from commweave.runtime.pool import _build_context, resolve_function
 
@@ -270,7 +271,7 @@ class ProgramProcess:
         z = zygote(serve)
         args = dict(rank=rank, world_size=world_size, device=device, rendezvous=str(rendezvous), serve=serve,
                     workdir=str(workdir), env=confine.candidate_env(os.environ, workdir),
-                    network=rules.network, filesystem=rules.filesystem)
+                    network=rules.network, filesystem=rules.filesystem, deny_read=confine.run_paths())
         try:
             pid, conn = z.fork(args)
         except ProgramStartError:
