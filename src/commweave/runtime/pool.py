@@ -144,6 +144,9 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
 
 def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, env: dict[str, str],
                  jobs: mp.Queue, results: mp.Queue) -> None:
+    from commweave.runtime.confine import die_with_parent
+
+    die_with_parent(parent=mp.parent_process().pid)  # a killed search takes its judges (and theirs) along
     os.environ.update(env)
     apply_safe_env()
     try:
