@@ -218,3 +218,11 @@ def checked_tensor(name: str, value: Any, dims: int, dtype: torch.dtype, device:
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, but the other tensors are on {device}")
     return value
+
+
+def check_matmul_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    """A ValueError unless `a @ b` is a product of two matrices (a GEMM op's operands)."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from commweave.contracts.workload import check_matmul_operands
 from commweave.ops import runner
 from commweave.ops.runner import no_backward
 from commweave.ops.groups import group_rank, group_size, process_group
@@ -52,14 +53,6 @@ def _waited(t: Tensor, group: str) -> Tensor:
     return t if group_size(group) == 1 else torch.ops._c10d_functional.wait_tensor(t)
 
 
-# -- shape checks of the GEMM ops' fakes ----------------------------------------------------------
-def _check_gemm(a: Tensor, b: Tensor) -> None:
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")
-
-
 @functools.cache
 def _registered(workload: str) -> bool:
     from commweave.workloads import registry
@@ -78,7 +71,7 @@ def gemm_allgather(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> 
 
 @gemm_allgather.register_fake
 def _(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
-    _check_gemm(a, b)
+    check_matmul_operands(a, b)
     return a.new_empty(a.shape[0] * group_size(group), b.shape[1])
 
 
@@ -118,7 +111,7 @@ def gemm_reducescatter(a: Tensor, b: Tensor, group: str, program: Optional[str])
         return op.workload.single_rank({"a": a, "b": b}) if world == 1 else op.run(group, {"a": a, "b": b})
     if program is not None:
         raise ValueError(f"program {program!r} is for workload {GEMM_RS!r}, which is not registered in this install")
-    _check_gemm(a, b)
+    check_matmul_operands(a, b)
     if world == 1:
         return a @ b
     if a.shape[0] % world:
@@ -135,7 +128,7 @@ def gemm_reducescatter(a: Tensor, b: Tensor, group: str, program: Optional[str])
 
 @gemm_reducescatter.register_fake
 def _(a: Tensor, b: Tensor, group: str, program: Optional[str]) -> Tensor:
-    _check_gemm(a, b)
+    check_matmul_operands(a, b)
     world = group_size(group)
     torch._check(a.shape[0] % world == 0, lambda: f"a's rows are not divisible by the group's {world} ranks")
     return a.new_empty(a.shape[0] // world, b.shape[1])

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
-                                      seeded_generator)
+from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, check_matmul_operands, checked_tensor,
+                                          input_names, seeded_generator)
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
 LLAMA70B_N_LOCAL = 3584  # Llama-3-70B MLP up-projection (28672 wide) split over 8, per rank
@@ -107,12 +107,8 @@ class GemmAllGather(Workload):
     def single_rank(self, inputs: Mapping[str, torch.Tensor | None], out: torch.Tensor | None = None,
                     **options: Any) -> torch.Tensor:
         """One rank holds all of A and B: the product."""
-        a, b = inputs["a"], inputs["b"]
-        if a.dim() != 2 or b.dim() != 2:
-            raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-        if a.shape[1] != b.shape[0]:
-            raise ValueError(f"a has {a.shape[1]} columns but b {b.shape[0]} rows")
-        return a @ b
+        check_matmul_operands(inputs["a"], inputs["b"])
+        return inputs["a"] @ inputs["b"]
 
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None) -> Shape:
