@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from commweave.runtime import confine
-from commweave.runtime.pool import SAFE_ENV
+from commweave.runtime.confine import SAFE_ENV
 from commweave.runtime.toolchain import cache_dir
 
 SRC = str(Path(__file__).parent.parent / "src")

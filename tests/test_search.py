@@ -331,9 +331,10 @@ def test_wall_time_budget_stops_the_search(tmp_path):
     ev = SimulatedEvaluator(TEMPLATE, 4, OPTIMUM, delay_s=0.02)
     start = time.monotonic()
     with ProgramDB(tmp_path / "t.sqlite") as db:
-        search = Evolution(db, TEMPLATE, ev, SHAPE, 4, Budget(seconds=0.6), SearchConfig(islands=2))
+        search = Evolution(db, TEMPLATE, ev, SHAPE, 4, Budget(seconds=1.0), SearchConfig(islands=2))
         search.run()
-        assert 5 <= db.count() <= 40 and db.meta()["elapsed_s"] >= 0.6
+        # ~0.1 s of the search's own Python per candidate on a loaded 2-core machine, 0.02 s evaluations
+        assert 3 <= db.count() <= 50 and db.meta()["elapsed_s"] >= 1.0
     assert time.monotonic() - start < 5
 
 

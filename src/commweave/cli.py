@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from commweave.runtime.pool import apply_safe_env
+from commweave.runtime.confine import apply_safe_env
 from commweave.report.results import RESULTS_DIR
 
 # the click that typer's commands are made of: its own copy (typer >= 0.26) or the click package

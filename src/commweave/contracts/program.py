@@ -17,6 +17,7 @@ literal, so it can be compiled ahead on CPU cores); it executes programs only in
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import threading
 import types
@@ -109,26 +110,30 @@ def with_config(text: str, **knobs: object) -> str:
     Edits the text (values are written with repr), so the result is an ordinary program that can be
     stored, diffed and evaluated like any other. Unknown knobs are an error, not silently added.
     """
+    values = _config_spans(text)
+    unknown = sorted(set(knobs) - set(values))
+    if unknown:
+        raise ProgramError(f"CONFIG has no knob {', '.join(unknown)} (has: {', '.join(sorted(values))})")
+    data = text.encode()
+    edits = [(*values[name], repr(value).encode()) for name, value in knobs.items()]
+    for start, end, new in sorted(edits, reverse=True):
+        data = data[:start] + new + data[end:]
+    return data.decode()
+
+
+@functools.lru_cache(maxsize=64)
+def _config_spans(text: str) -> dict[str, tuple[int, int]]:
+    """Byte spans of each `CONFIG = dict(...)` value in `text` (a template renders from the same
+    text many times: parsed once)."""
     tree = python_ast(text)
     call = next((n.value for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
                  and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "CONFIG"), None)
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "dict"):
         raise ProgramError("program has no module-level CONFIG = dict(...) to set knobs in")
-    values = {kw.arg: kw.value for kw in call.keywords if kw.arg}
-    unknown = sorted(set(knobs) - set(values))
-    if unknown:
-        raise ProgramError(f"CONFIG has no knob {', '.join(unknown)} (has: {', '.join(sorted(values))})")
-    # ast positions are UTF-8 byte columns: edit the encoded text.
-    data = text.encode()
+    # ast positions are UTF-8 byte columns: spans in the encoded text.
     line_starts = [0]
-    for line in data.splitlines(keepends=True):
+    for line in text.encode().splitlines(keepends=True):
         line_starts.append(line_starts[-1] + len(line))
-    edits = []
-    for name, value in knobs.items():
-        node = values[name]
-        start = line_starts[node.lineno - 1] + node.col_offset
-        end = line_starts[node.end_lineno - 1] + node.end_col_offset
-        edits.append((start, end, repr(value).encode()))
-    for start, end, new in sorted(edits, reverse=True):
-        data = data[:start] + new + data[end:]
-    return data.decode()
+    return {kw.arg: (line_starts[kw.value.lineno - 1] + kw.value.col_offset,
+                     line_starts[kw.value.end_lineno - 1] + kw.value.end_col_offset)
+            for kw in call.keywords if kw.arg}

@@ -32,7 +32,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from commweave.runtime.pool import SAFE_ENV
 
 
 class ConfineError(RuntimeError):
@@ -61,6 +60,16 @@ ENV_KEEP = frozenset({
 ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "NVSHMEM_", "NVIDIA_", "TORCH_", "PYTORCH_", "TRITON_", "CUBLAS_", "CUDNN_")
 # Dropped even where a name or prefix above matches: whatever looks like a credential.
 ENV_DENY_WORDS = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
+
+
+# NVLink multicast can take a shared host's GPUs down: never let any process of ours use it.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def apply_safe_env(env: dict[str, str] | None = None) -> None:
+    """Force the multicast-off variables into `env` (default: this process's environment)."""
+    target = os.environ if env is None else env
+    target.update(SAFE_ENV)
 
 
 def env_allowed(name: str) -> bool:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# NVLink multicast can take a shared host's GPUs down: never let any process of ours use it.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from commweave.runtime.confine import apply_safe_env, die_with_parent
 
 # Errors after which a CUDA context is unusable: the worker must die and be replaced.
 STICKY_CUDA_ERRORS = (
@@ -30,12 +29,6 @@ STICKY_CUDA_ERRORS = (
     "CUDA_ERROR_LAUNCH_FAILED", "invalid program counter", "an illegal instruction",
 )
 ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report before the pool is reset
-
-
-def apply_safe_env(env: dict[str, str] | None = None) -> None:
-    """Force the multicast-off variables into `env` (default: this process's environment)."""
-    target = os.environ if env is None else env
-    target.update(SAFE_ENV)
 
 
 def is_sticky_cuda_error(message: str) -> bool:
@@ -144,8 +137,6 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
 
 def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, env: dict[str, str],
                  jobs: mp.Queue, results: mp.Queue) -> None:
-    from commweave.runtime.confine import die_with_parent
-
     die_with_parent(parent=mp.parent_process().pid)  # a killed search takes its judges (and theirs) along
     os.environ.update(env)
     apply_safe_env()
