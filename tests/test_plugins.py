@@ -51,3 +51,14 @@ def test_op_runs_the_plugin_at_one_rank() -> None:
         result = pool.run("ops_jobs:op_check", workload=PLUGIN, shape_text=shape.label, seed=4)
     assert result.ok, result.first_failure()
     assert result.values[0]["error"] <= wl.tolerance() and result.values[0]["inputs_intact"]
+
+
+def test_a_broken_plugin_is_named_and_does_not_hide_the_others(tmp_path, monkeypatch) -> None:
+    info = tmp_path / "broken_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[commweave.workloads]\nbroken = no_such_module.workload:Broken\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert get_workload("gemm-allgather").name == "gemm-allgather"  # only the asked-for plugin is imported
+    with pytest.raises(ImportError, match="workload plugin 'broken' .*no_such_module.*cannot be imported"):
+        registry()
