@@ -199,23 +199,6 @@ def list_workloads() -> None:
     console.print(table)
 
 
-def _demo_evaluator(template: Any, world_size: int, seed: int) -> Any:
-    """The demo's simulated evaluator, for any template: the optimum sits mid-range on every ordered
-    dimension (comm CTAs, chunk bytes, threads) of the seed's directive set; the most comm CTAs
-    time out and the smallest chunks fault, so the search meets failures as a real one does."""
-    from commweave.search.simulate import ORDERED, SimulatedEvaluator
-
-    values = template.dimension_values(world_size)
-    ordered = {dim: values[dim] for dim in ORDERED if len(values.get(dim, ())) > 1}
-    optimum = template.seed_directives().with_(**{dim: vals[len(vals) // 2] for dim, vals in ordered.items()})
-    rules = []
-    if "comm_ctas" in ordered:
-        rules.append(lambda ds: "timeout" if ds.get("comm_ctas") == ordered["comm_ctas"][-1] else None)
-    if "chunk_bytes" in ordered:
-        rules.append(lambda ds: "illegal_address" if ds.get("chunk_bytes") == ordered["chunk_bytes"][0] else None)
-    return SimulatedEvaluator(template, world_size, optimum, rules=rules, noise=0.01, seed=seed)
-
-
 @app.command()
 def demo(
     out: Path = typer.Option(None, "--out", help="folder for the run database, its report and the best program "
@@ -234,6 +217,7 @@ def demo(
 
     from commweave.report.html import write_report
     from commweave.search import Budget, Evolution, ProgramDB, SearchConfig
+    from commweave.search.simulate import demo_evaluator
 
     if out is None:
         out = Path("runs") / f"demo-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
@@ -251,7 +235,7 @@ def demo(
     started = time.monotonic()
     with console.status(f"simulated search: {budget} evaluations of {wl.name} programs at {shape}"), \
             ProgramDB(path) as db:
-        search = Evolution(db, template, _demo_evaluator(template, gpus, seed), shape, gpus,
+        search = Evolution(db, template, demo_evaluator(template, gpus, seed), shape, gpus,
                            Budget(evaluations=budget), SearchConfig(islands=4, seed=seed))
         db.set_meta(simulated=True)
         best = search.run()

@@ -106,3 +106,18 @@ class SimulatedEvaluator:
                 f.write(ds.key + "\n")
                 f.flush()
         return result
+
+
+def demo_evaluator(template: Template, world_size: int, seed: int) -> SimulatedEvaluator:
+    """`commweave demo`'s simulated evaluator, for any template: the optimum sits mid-range on every ordered
+    dimension (comm CTAs, chunk bytes, threads) of the seed's directive set; the most comm CTAs
+    time out and the smallest chunks fault, so the search meets failures as a real one does."""
+    values = template.dimension_values(world_size)
+    ordered = {dim: values[dim] for dim in ORDERED if len(values.get(dim, ())) > 1}
+    optimum = template.seed_directives().with_(**{dim: vals[len(vals) // 2] for dim, vals in ordered.items()})
+    rules = []
+    if "comm_ctas" in ordered:
+        rules.append(lambda ds: "timeout" if ds.get("comm_ctas") == ordered["comm_ctas"][-1] else None)
+    if "chunk_bytes" in ordered:
+        rules.append(lambda ds: "illegal_address" if ds.get("chunk_bytes") == ordered["chunk_bytes"][0] else None)
+    return SimulatedEvaluator(template, world_size, optimum, rules=rules, noise=0.01, seed=seed)
