@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--pools", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--evaluations", type=int, default=17)
     parser.add_argument("--eval-s", type=float, default=1.0)
+    parser.add_argument("--no-simulated", action="store_true", help="skip the simulated judges")
     parser.add_argument("--gloo", action="store_true", help="also time pools of real CPU gloo workers (toy workload), "
                         "each evaluation held to --eval-s")
     parser.add_argument("--gloo-evaluations", type=int, default=17, help="evaluations of a gloo run")
@@ -58,7 +59,7 @@ def main() -> None:
     rows = []
     try:
         template = get_workload("gemm-allgather").template()
-        for n in args.pools:
+        for n in [] if args.no_simulated else args.pools:
             pools = RayPools("pool_builders:simulated", {"delay_s": args.eval_s}, n, cpus_per_pool=0.5)
             try:
                 seconds, programs = run_search(pools, template, template.default_shape(4), 4, args.evaluations, max(n, 2))
