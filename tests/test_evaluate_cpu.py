@@ -31,6 +31,11 @@ def program(name: str) -> str:
     return (PROGRAMS / f"{name}.py").read_text()
 
 
+def redteam(name: str) -> str:
+    """A program of the red-team corpus (tests/redteam), its process marker filled in."""
+    return (TESTS / "redteam" / f"{name}.py").read_text().replace("__MARKER__", f"cw-evaluate-cpu-{os.getpid()}")
+
+
 @pytest.fixture(scope="module")
 def pool():
     paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
@@ -255,7 +260,7 @@ def test_a_destroyed_process_group_fails_only_its_program(evaluator):
 
 
 def test_a_daemon_left_behind_is_tampering(evaluator):
-    result = evaluator.evaluate(program("spawns_daemon"), BENCH_SHAPE)
+    result = evaluator.evaluate(redteam("spawn_detached"), BENCH_SHAPE)
     assert result.fitness == 0.0 and result.verdict.failure == FailureClass.TAMPERING, result.verdict.message
     assert "to outlive it" in result.verdict.message
     assert_host_still_passes(evaluator)
