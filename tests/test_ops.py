@@ -23,7 +23,6 @@ from commweave.search import ProgramDB
 from commweave.space import directives_of
 from commweave.space.template import DIRECTIVES_PREFIX, directives_header
 from commweave.workloads import get_workload, registry
-from commweave.workloads import get_workload
 from toy_workload import ToyGatherMatmul
 
 WORLD = 2

@@ -26,12 +26,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from commweave.contracts.workload import check_matmul_operands
 from commweave.ops import runner
-from commweave.ops.runner import no_backward
 from commweave.ops.groups import group_rank, group_size, process_group
 
 GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it is registered

@@ -190,7 +190,7 @@ class Evolution:
     """One run of the search on one database. Construct, then `run()`; constructing it on an
     existing database resumes that run (its metadata must match)."""
 
-    def __init__(self, db: ProgramDB, template: Template, evaluator: Judge, shape: Any, world_size: int,
+    def __init__(self, db: ProgramDB, template: Template, evaluator: Judge | None, shape: Any, world_size: int,
                  budget: Budget, config: SearchConfig | None = None, *, proposer: OfflineProposer | None = None,
                  compile_source: Callable[[str], Any] | None = None, rates: Any = None,
                  capabilities: Any = None, on_result: Callable[[ProgramRecord, Evolution], None] | None = None,
@@ -201,6 +201,8 @@ class Evolution:
         facts measured about the machine, shown to the models as they are; `pools`: where
         candidates are evaluated, several at once (default: `evaluator` alone, one at a time)."""
         self.db, self.template = db, template
+        if pools is None and evaluator is None:
+            raise ValueError("the search needs an evaluator or evaluation pools")
         self.pools: Pools = pools if pools is not None else LocalPools.single(evaluator)
         self.shape, self.world_size, self.budget = shape, world_size, budget
         self.config = config or SearchConfig()
