@@ -266,23 +266,52 @@ def test_a_daemon_left_behind_is_tampering(evaluator):
     assert_host_still_passes(evaluator)
 
 
+HONEST_TOLERANCE = 0.05  # an honest copy of the baseline must measure 1.0 to within this
+HONEST_BENCHMARKS = (5, 25)  # fewest and most benchmarks of 400 iterations before the verdict
+
+
+def honest_bias_settled(ratios: list[float]) -> bool | None:
+    """True once the mean log ratio lies inside the tolerance by 3 standard errors, False once it
+    lies outside by as much, None while the benchmarks cannot yet tell noise from bias."""
+    if len(ratios) < HONEST_BENCHMARKS[0]:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean, margin = statistics.fmean(logs), 3 * statistics.stdev(logs) / math.sqrt(len(logs))
+    if abs(mean) + margin <= math.log1p(HONEST_TOLERANCE):
+        return True
+    if abs(mean) - margin > math.log1p(HONEST_TOLERANCE):
+        return False
+    return None
+
+
+def test_the_honest_copy_check_waits_for_evidence():
+    assert honest_bias_settled([1.0] * 4) is None
+    assert honest_bias_settled([0.99, 1.01, 1.0, 1.02, 0.98]) is True
+    assert honest_bias_settled([1.2, 1.21, 1.19, 1.2, 1.22]) is False
+    assert honest_bias_settled([1.0, 1.16, 1.05, 1.02, 1.08]) is None  # CI's five: keep measuring
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_honest_copy_of_the_baseline_measures_one(world):
-    """Timed from the judges' side, a program identical to the baseline scores 1.0 within 5 %
-    (the median of five benchmarks of 400 iterations each). Every iteration wakes a program
-    process and its judge: on a machine with several runnable processes per core, scheduling
-    delays of milliseconds swamp 5 %, and the test says so instead of measuring noise."""
+    """Timed from the judges' side, a program identical to the baseline scores 1.0 within 5 %.
+    Every iteration wakes a program process and its judge, so on a small CPU machine one
+    benchmark's ratio spreads by about 6 % (scheduling, not the judge): benchmarks are repeated
+    until the bias is pinned inside (or outside) the tolerance, and after the most of them the
+    median ratio decides. Under heavy load the test says so instead of measuring noise."""
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if load > MAX_TIMING_LOAD:
         pytest.skip(f"load average {load:.1f} per core (over {MAX_TIMING_LOAD}): timing noise exceeds 5 % here")
     paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
+    ratios: list[float] = []
+    settled = None
     with WorkerPool(world, device="cpu", job_timeout_s=120, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as p:
         evaluator = Evaluator(p, TOY, warmup=5, iters=400)
-        ratios = []
-        for _ in range(5):
+        while settled is None and len(ratios) < HONEST_BENCHMARKS[1]:
             bench = evaluator.benchmark({CANDIDATE: program("host"), "host": program("host")}, BENCH_SHAPE)
             ratios.append(bench.programs["host"].median_us / bench.programs[CANDIDATE].median_us)
-    assert abs(statistics.median(ratios) - 1.0) <= 0.05, ratios
+            settled = honest_bias_settled(ratios)
+    assert settled is not False, f"biased: {ratios}"
+    assert settled or abs(statistics.median(ratios) - 1.0) <= HONEST_TOLERANCE, ratios
 
 
 def test_values_read_ahead_from_the_shared_block_never_come_up(evaluator):
