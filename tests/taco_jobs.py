@@ -152,6 +152,7 @@ from collections import defaultdict  # noqa: E402
 from commweave.taco.cuda import FusedBarrier  # noqa: E402
 from commweave.taco.device import DeviceCollectives  # noqa: E402
 from commweave.taco.quant import Compressed, ReferenceCodec  # noqa: E402
+from rank_threads import run_rank_threads  # noqa: E402
 
 #: a case: (op, QuantConfig kwargs, shape, dtype name, seed); op in all_gather, reduce_scatter,
 #: one_shot, two_shot. Plain tuples so they travel to the workers.
@@ -334,25 +335,13 @@ def simulate(world: int, body: Callable[[DeviceCollectives, int], Any], double_b
     unwrapped). An exception on one rank breaks the barrier (the others fail too) and is re-raised."""
     node = FakeNode(world, device)
     results: list[Any] = [None] * world
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         t = FakeTransport(node, rank)
-        try:
-            used = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers) if trace else codec
-            results[rank] = body(DeviceCollectives(t, used, double_buffer), rank)
-        except BaseException as e:  # noqa: BLE001  (reported below)
-            errors.append(e)
-            node._barrier.abort()
+        used = TracingCodec(codec or ReferenceCodec(), t, fuse_barriers) if trace else codec
+        results[rank] = body(DeviceCollectives(t, used, double_buffer), rank)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if real or errors:
-        raise (real or errors)[0]
+    run_rank_threads(world, rank_main, node._barrier.abort)
     return results, node
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cuda_host import nvcc_host_build, toolchain_or_skip
+from rank_threads import run_rank_threads
 from template_samples import renderable_samples
 from commweave.contracts.program import load_program, parse_program, with_config
 from commweave.contracts.verdict import FailureClass
@@ -553,7 +554,6 @@ def _simulated_seed(world: int, config: dict, shape, seeds: tuple[int, ...]) -> 
     """The seed's Python (setup, then a run per seed on one state) on W threads over a _Node: each
     rank's relative error per call; streams, events and the carveout are no-ops, stream writes and
     waits act on the node's memory."""
-    import threading
     from types import SimpleNamespace
 
     node = _Node(world)
@@ -569,35 +569,23 @@ def _simulated_seed(world: int, config: dict, shape, seeds: tuple[int, ...]) -> 
             return getattr(torch, name)
 
     errors: list[list[float]] = [[] for _ in range(world)]
-    failures: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            module = load_program(with_config(WL.program_text("seed"), graph=False, **config), f"seed{rank}")
-            module.torch = FakeTorch()
-            module.stream_write = lambda address, value, stream=None: node.word(address).fill_(value)
-            module.stream_wait_geq = lambda address, value, stream=None: _spin(
-                lambda: int(node.word(address)) >= value, "a stream wait")
-            ctx = _RankCtx(node, rank)
-            state = module.setup(ctx, shape)
-            for seed in seeds:
-                inputs = WL.make_inputs(shape, world, rank, seed, CPU)
-                out = torch.full((shape["M"] // world, shape["N"]), float("nan"), dtype=torch.bfloat16)
-                module.run(ctx, state, inputs, out)
-                errors[rank].append(_relative_error(out, WL.reference(shape, world, rank, seed, CPU)))
-            assert not state["flags"].any(), "flags left set after a call"
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            failures.append(exc)
-            node.barrier.abort()
+        module = load_program(with_config(WL.program_text("seed"), graph=False, **config), f"seed{rank}")
+        module.torch = FakeTorch()
+        module.stream_write = lambda address, value, stream=None: node.word(address).fill_(value)
+        module.stream_wait_geq = lambda address, value, stream=None: _spin(
+            lambda: int(node.word(address)) >= value, "a stream wait")
+        ctx = _RankCtx(node, rank)
+        state = module.setup(ctx, shape)
+        for seed in seeds:
+            inputs = WL.make_inputs(shape, world, rank, seed, CPU)
+            out = torch.full((shape["M"] // world, shape["N"]), float("nan"), dtype=torch.bfloat16)
+            module.run(ctx, state, inputs, out)
+            errors[rank].append(_relative_error(out, WL.reference(shape, world, rank, seed, CPU)))
+        assert not state["flags"].any(), "flags left set after a call"
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    real = [f for f in failures if not isinstance(f, threading.BrokenBarrierError)]
-    if failures:
-        raise (real or failures)[0]
+    run_rank_threads(world, rank_main, node.barrier.abort)
     return errors
 
 
