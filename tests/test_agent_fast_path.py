@@ -18,7 +18,6 @@ through the same scripts' GEMM counterparts — is the `gpu` test at the end:
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from commweave.space import directives_of, program_body
 from commweave.workloads import get_workload
 from llm_servers import Fail, Raw, Reply, ScriptedAnthropicServer, ScriptedOpenAIServer, Trickle
 from toy_workload import ToyGatherMatmul
+from worker_env import worker_env
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -61,8 +61,7 @@ def said(result) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    paths = [str(TESTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
-    with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as p:
+    with WorkerPool(2, device="cpu", job_timeout_s=60, env=worker_env()) as p:
         yield p
 
 

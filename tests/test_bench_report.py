@@ -18,6 +18,7 @@ from commweave.evaluate.floor import floor_s
 from commweave.report.bench import comparison_table, notes, ranking_table
 from commweave.runtime import WorkerPool
 from toy_workload import ToyGatherMatmul
+from worker_env import worker_env
 
 TESTS = Path(__file__).parent
 PROGRAMS = TESTS / "programs_cpu"
@@ -69,8 +70,7 @@ def program(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
-    with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+    with WorkerPool(2, device="cpu", job_timeout_s=60, env=worker_env()) as pool:
         yield pool
 
 

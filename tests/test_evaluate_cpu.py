@@ -19,6 +19,7 @@ from commweave.runtime import WorkerPool
 from toy_workload import (
     ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithUnavailableBaseline, ToyZeroReference,
 )
+from worker_env import worker_env
 
 TESTS = Path(__file__).parent
 PROGRAMS = TESTS / "programs_cpu"
@@ -38,8 +39,7 @@ def redteam(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
-    with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+    with WorkerPool(2, device="cpu", job_timeout_s=60, env=worker_env()) as pool:
         yield pool
 
 
@@ -301,10 +301,9 @@ def test_an_honest_copy_of_the_baseline_measures_one(world):
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if load > MAX_TIMING_LOAD:
         pytest.skip(f"load average {load:.1f} per core (over {MAX_TIMING_LOAD}): timing noise exceeds 5 % here")
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
     ratios: list[float] = []
     settled = None
-    with WorkerPool(world, device="cpu", job_timeout_s=120, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as p:
+    with WorkerPool(world, device="cpu", job_timeout_s=120, env=worker_env()) as p:
         evaluator = Evaluator(p, TOY, warmup=5, iters=400)
         while settled is None and len(ratios) < HONEST_BENCHMARKS[1]:
             bench = evaluator.benchmark({CANDIDATE: program("host"), "host": program("host")}, BENCH_SHAPE)

@@ -33,6 +33,7 @@ from commweave.runtime.compile import CompileError, compile_cubin
 from commweave.runtime.confine import candidates_root, landlock_abi, net_namespace_available
 from commweave.runtime.toolchain import ToolchainError
 from toy_workload import ToyGatherMatmul
+from worker_env import worker_env
 
 TESTS = Path(__file__).parent
 CORPUS = TESTS / "redteam"
@@ -132,10 +133,9 @@ def world(tmp_path_factory):
     with contextlib.suppress(ToolchainError, CompileError):  # a cubin in it, where nvcc is here
         compile_cubin('extern "C" __global__ void cw_redteam_cached(float* p) { p[0] = 1.0f; }')
     listener = Listener()
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
     try:
         with WorkerPool(2, device="cpu", job_timeout_s=JOB_TIMEOUT_S,
-                        env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+                        env=worker_env()) as pool:
             evaluator = Evaluator(pool, TOY, warmup=2, iters=10, job_timeout_s=JOB_TIMEOUT_S)
             # the honest follow-up times more iterations: blocks of a 10-iteration benchmark are
             # short enough for one burst of another process's load to decide a median

@@ -8,7 +8,6 @@ Run on the GPU machine: `pytest -m gpu tests/test_redteam_gpu.py` (needs 1 CUDA 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from commweave.contracts.program import parse_program
 from commweave.evaluate import Evaluator, FailureClass
 from commweave.runtime import WorkerPool, confine
 from toy_workload import ToyGatherMatmul
+from worker_env import worker_env
 
 needs_one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")
 
@@ -38,8 +38,7 @@ EXPECTED: dict[str, set[FailureClass]] = {
 
 @pytest.fixture(scope="module")
 def evaluator():
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
-    with WorkerPool(1, device="cuda", job_timeout_s=120, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+    with WorkerPool(1, device="cuda", job_timeout_s=120, env=worker_env()) as pool:
         yield Evaluator(pool, TOY, warmup=3, iters=20, job_timeout_s=120)
 
 

@@ -4,8 +4,6 @@ evaluator), the real Evaluator on a CPU pool with the toy workload, and the CLI'
 from __future__ import annotations
 
 import io
-import os
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -23,8 +21,8 @@ from commweave.search.simulate import SimulatedEvaluator
 from commweave.space import DirectiveSet, Space, Template, directives_of
 from commweave.workloads import get_workload
 from toy_workload import ToyGatherMatmul
+from worker_env import worker_env
 
-TESTS = Path(__file__).parent
 runner = CliRunner()
 
 
@@ -161,10 +159,9 @@ class ToyTemplate(Template):
 
 
 def test_evolution_with_the_real_evaluator_on_a_cpu_pool(tmp_path):
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
     template = ToyTemplate()
     assert load_program(template.render(template.seed_directives(), template.default_shape(2), 2)).CONFIG["pieces"] == 1
-    with WorkerPool(2, device="cpu", job_timeout_s=60, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+    with WorkerPool(2, device="cpu", job_timeout_s=60, env=worker_env()) as pool:
         evaluator = Evaluator(pool, template.workload, warmup=1, iters=5, seeds=2)
         best, count, _ = evolve(tmp_path / "toy.sqlite", template, evaluator, template.default_shape(2), 2,
                              Budget(evaluations=6), SearchConfig(islands=2, seed=1))

@@ -6,7 +6,6 @@ Run on the GPU machine with `pytest -m gpu tests/gpu/test_judge_gpu.py` (needs 1
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from commweave.runtime import WorkerPool
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 from toy_workload import ToyGatherMatmul  # noqa: E402
+from worker_env import worker_env  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")]
 TOY = ToyGatherMatmul()
@@ -32,8 +32,7 @@ def program(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def evaluator():
-    paths = [str(TESTS), str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]
-    with WorkerPool(1, device="cuda", job_timeout_s=300, env={"PYTHONPATH": os.pathsep.join(p for p in paths if p)}) as pool:
+    with WorkerPool(1, device="cuda", job_timeout_s=300, env=worker_env()) as pool:
         yield Evaluator(pool, TOY, warmup=5, iters=40)
 
 
