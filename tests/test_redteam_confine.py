@@ -32,25 +32,38 @@ needs_netns = pytest.mark.skipif(NETNS_MISSING is not None, reason=f"no network 
 needs_landlock = pytest.mark.skipif(confine.landlock_abi() < 1, reason="Landlock is not available on this kernel")
 
 
-def in_child(fn, *args) -> dict:
-    """Run fn(*args) in a forked child; return the dict it returns (or the exception it raised)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            answer = {"value": fn(*args)}
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(answer, default=str).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        data = pipe.read()
-    os.waitpid(pid, 0)
-    answer = json.loads(data)
-    assert "error" not in answer, answer["error"]
-    return answer["value"]
+def in_children(world: int, fn) -> list:
+    """Run fn(rank) in `world` forked children at once; return what each returned, in rank order
+    (an exception raised in a child fails the test with its message)."""
+    reads, pids = [], []
+    for rank in range(world):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                answer = {"value": fn(rank)}
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            os.write(write, json.dumps(answer, default=str).encode())
+            os._exit(0)
+        os.close(write)
+        reads.append(read)
+        pids.append(pid)
+    answers = []
+    for read in reads:
+        with os.fdopen(read, "rb") as pipe:
+            answers.append(json.loads(pipe.read()))
+    for pid in pids:
+        os.waitpid(pid, 0)
+    errors = [a["error"] for a in answers if "error" in a]
+    assert not errors, errors
+    return [a["value"] for a in answers]
+
+
+def in_child(fn, *args):
+    """Run fn(*args) in a forked child; return what it returned."""
+    return in_children(1, lambda _rank: fn(*args))[0]
 
 
 def alive(pid: int) -> bool:
@@ -288,21 +301,7 @@ def test_ranks_share_one_namespace_and_run_gloo_in_it(tmp_path):
 
     (tmp_path / "home").mkdir()
     (tmp_path / "tmp").mkdir()
-    read, write = os.pipe()
-    pids = []
-    for r in range(2):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.write(write, (json.dumps(rank(r)) + "\n").encode())
-            finally:
-                os._exit(0)
-        pids.append(pid)
-    os.close(write)
-    for pid in pids:
-        os.waitpid(pid, 0)
-    with os.fdopen(read) as pipe:
-        answers = [json.loads(line) for line in pipe]
+    answers = in_children(2, rank)
     assert len(answers) == 2 and all(a["sum"] == [3.0, 3.0] for a in answers)
     assert answers[0]["net"] == answers[1]["net"] != os.stat("/proc/self/ns/net").st_ino
 
@@ -401,30 +400,22 @@ def test_an_unprivileged_user_gets_the_namespace_through_a_user_namespace_and_ra
     """The non-root path: rank 0 makes user + network namespaces, rank 1 joins both."""
     rendezvous = Path(tempfile.mkdtemp(prefix="cw_userns_"))
     rendezvous.chmod(0o777)
-    read, write = os.pipe()
-    pids = []
-    for r in range(2):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-                confine._prctl(4, 1)  # PR_SET_DUMPABLE, as for a user who never was root: /proc/self is ours
-                how = confine.share_net_namespace(r, rendezvous, timeout_s=20)
-                answer = [r, how, os.stat("/proc/self/ns/net").st_ino, [n for _, n in socket.if_nameindex()]]
-            except BaseException as exc:  # noqa: BLE001 - reported to the test
-                answer = [r, f"{type(exc).__name__}: {exc}"]
-            os.write(write, (json.dumps(answer) + "\n").encode())
-            if r == 0:
-                time.sleep(3)  # rank 0's namespace must live while rank 1 joins
-            os._exit(0)
-        pids.append(pid)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        answers = sorted(json.loads(line) for line in pipe)
-    for pid in pids:
-        os.waitpid(pid, 0)
+
+    def rank(r):
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            confine._prctl(4, 1)  # PR_SET_DUMPABLE, as for a user who never was root: /proc/self is ours
+            how = confine.share_net_namespace(r, rendezvous, timeout_s=20)
+            answer = [r, how, os.stat("/proc/self/ns/net").st_ino, [n for _, n in socket.if_nameindex()]]
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            answer = [r, f"{type(exc).__name__}: {exc}"]
+        if r == 0:
+            time.sleep(3)  # rank 0's namespace must live while rank 1 joins
+        return answer
+
+    answers = in_children(2, rank)
     confine.remove_tree(rendezvous)
     if answers[0][1].startswith(("PermissionError", "OSError")):
         pytest.skip(f"unprivileged user namespaces are not allowed here: {answers[0][1]}")
