@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine cycle: environment the brief requires, then each step given on the command line
-# ("tests [PYTEST ARGS]", "bench WORKLOAD GPUS [ARGS]", "py SCRIPT [ARGS]", "cw COMMAND [ARGS]"), each
+# ("tests [PYTEST ARGS]", "bench WORKLOAD GPUS [ARGS]", "py SCRIPT [ARGS]", "sh SCRIPT [ARGS]",
+# "cw COMMAND [ARGS]"), each
 # logged under $OUT; the tree is pip-installed first (editable, no dependencies) for its entry points.
 # Usage on the device: bash bench/gpu_session.sh 'tests -m gpu' 'bench moe 4'
 # More than 8 files under $OUT (what the device tool returns at most) are archived into $OUT/gpu-session.tgz.
@@ -24,6 +25,7 @@ for step in "$@"; do
     bench) read -r wl gpus args <<<"$rest"
            timeout "$STEP_TIMEOUT" python3 -m commweave.cli bench "$wl" --gpus "$gpus" --out-dir "$OUT" $args >"$log" 2>&1 ;;
     py)    timeout "$STEP_TIMEOUT" python3 $rest >"$log" 2>&1 ;;
+    sh)    timeout "$STEP_TIMEOUT" bash $rest >"$log" 2>&1 ;;
     *)     echo "unknown step kind: $kind" >"$log"; false ;;
   esac
   rc=$?

@@ -14,8 +14,8 @@ A kernel's roofline time is its bytes (each input read once, each output written
 copy's rate at that size; the fraction reported is roofline time / measured time. Each timed call
 (the copy's too) rotates over enough input sets that together they exceed twice the L2.
 
-Every kernel setting in `--tunings` (`cuda.Tuning`: persistent grid, 16-bit fetch, transposed
-layout) is timed in the same process, after checking that it writes the same bytes as the
+Every kernel setting in `--tunings` (`cuda.Tuning`: persistent grid, how 16-bit input is fetched,
+transposed layout) is timed in the same process, after checking that it writes the same bytes as the
 reference (`quant.py`, at 1 MiB) and as the first tuning (at every size).
 
     python bench/taco_codec.py [--sizes 4 16 64 256] [--tunings legacy default] [--iters 20] [--plot]
@@ -42,9 +42,10 @@ from commweave.taco.quant import QuantConfig
 MIB = 1 << 20
 CONFIGS = {"defaults": QuantConfig(128), "plain": QuantConfig(128, hadamard=False, dual_scale=False)}
 TUNINGS = {
-    "legacy": cuda.Tuning(persistent=False, fetch16=False, transpose=False),
-    "persistent": cuda.Tuning(fetch16=False, transpose=False),
-    "fetch16": cuda.Tuning(fetch16=True, transpose=False),
+    "legacy": cuda.Tuning(persistent=False, fetch16="load", transpose=False),
+    "persistent": cuda.Tuning(fetch16="load", transpose=False),
+    "load": cuda.Tuning(fetch16="load"),
+    "async": cuda.Tuning(fetch16="async"),
     "default": cuda.Tuning(),
 }
 WORLDS = (2, 4)
@@ -150,22 +151,28 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="interleaved repetitions of every tuning (median kept)")
     p.add_argument("--plot", action="store_true")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    p.add_argument("--once", action="store_true", help="run each kernel once per size and tuning, no timing "
-                   "(for ncu --kernel-name regex:taco_)")
+    p.add_argument("--once", action="store_true", help="run each kernel once per size, config and tuning, in "
+                   "that order, no timing, inside the CUDA profiler's range and nothing else (for ncu "
+                   "--profile-from-start off)")
     args = p.parse_args()
     torch.manual_seed(0)
     _precompile(args.tunings)
     if args.once:
         for mib in args.sizes:
             x = torch.randn(mib * MIB // 2, device="cuda").to(torch.bfloat16)
+            built = []
             for tuning in args.tunings:
                 cuda.set_tuning(TUNINGS[tuning])
-                built = [_kernels([x], cfg) for cfg in CONFIGS.values()]  # 13 setup launches per config
-                torch.cuda.synchronize()
-                for kernels in built:
-                    for kname, (calls, _, _) in kernels.items():
-                        calls[0]()
-        torch.cuda.synchronize()
+                built += [(tuning, cname, _kernels([x], cfg)) for cname, cfg in CONFIGS.items()]  # setup launches
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            for tuning, cname, kernels in built:
+                cuda.set_tuning(TUNINGS[tuning])
+                for kname, (calls, _, _) in kernels.items():
+                    calls[0]()
+                    print(f"launched: {mib} MiB {tuning} {cname} {kname}", flush=True)
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
         return
     failures = []
     for name in args.tunings:

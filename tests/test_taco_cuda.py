@@ -59,11 +59,13 @@ def test_every_specialization_class_compiles_for_sm90():
 
 
 def test_every_tuning_compiles_without_spills_at_the_defaults():
-    """The tunings' other paths (16-bit fetch, no transposed layout) keep compiling, and at TACO's
-    defaults the transposed layout's kernels keep their registers (no stack frame but sum-compress's)."""
+    """The tunings' other paths (16-bit fetch by loads or cp.async, no transposed layout) keep
+    compiling, and at TACO's defaults the transposed layout's kernels keep their registers (no stack
+    frame but sum-compress's)."""
     toolchain_or_skip()
-    cases = [(cuda.Tuning(fetch16=True, transpose=False), torch.bfloat16), (cuda.Tuning(), torch.float32),
-             (cuda.Tuning(), torch.bfloat16)]
+    cases = [(cuda.Tuning(fetch16="async", transpose=False), torch.bfloat16),
+             (cuda.Tuning(fetch16="load"), torch.bfloat16), (cuda.Tuning(fetch16="bulk", transpose=False), torch.float16),
+             (cuda.Tuning(), torch.float32), (cuda.Tuning(), torch.bfloat16)]
     sources = []
     for tuning, dtype in cases:
         previous = cuda.set_tuning(tuning)
@@ -71,7 +73,7 @@ def test_every_tuning_compiles_without_spills_at_the_defaults():
             sources.append(cuda.specialization(QuantConfig(128), dtype, 2))
         finally:
             cuda.set_tuning(previous)
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(len(sources)) as pool:
         logs = list(pool.map(lambda text: compile_cubin(text).log, sources))
     for (tuning, dtype), log in zip(cases, logs):
         frames = dict(zip(re.findall(r"Function properties for (\w+)", log),
@@ -85,7 +87,7 @@ def test_tuning_sets_the_macros_and_the_grid(monkeypatch):
     """set_tuning recompiles with the tuning's macros; the persistent grid is the resident blocks at
     most (the kernel's launch bound where no driver occupancy is known), the legacy one 8 a SM."""
     monkeypatch.setattr(cuda, "_sm_count", lambda index: 132)
-    previous = cuda.set_tuning(cuda.Tuning(fetch16=True, transpose=False))
+    previous = cuda.set_tuning(cuda.Tuning(fetch16="async", transpose=False))
     try:
         text = cuda.specialization(QuantConfig(), torch.bfloat16, 2)
         assert "#define TACO_FETCH16 1\n" in text and "#define TACO_TRANSPOSE 0\n" in text
@@ -96,10 +98,12 @@ def test_tuning_sets_the_macros_and_the_grid(monkeypatch):
         cuda.set_tuning(cuda.Tuning(persistent=False))
         assert cuda._grid(0, 100_000, 2) == 132 * 8
         text = cuda.specialization(QuantConfig(), torch.bfloat16, 2)
-        assert "#define TACO_FETCH16 0\n" in text and "#define TACO_TRANSPOSE 1\n" in text
+        assert "#define TACO_FETCH16 2\n" in text and "#define TACO_TRANSPOSE 1\n" in text
     finally:
         cuda.set_tuning(previous)
     assert cuda.TUNING == previous
+    with pytest.raises(ValueError, match="fetch16 must be one of load, async, bulk, got 'tma'"):
+        cuda.Tuning(fetch16="tma")
 
 
 def test_specialization_refuses_what_the_kernels_do_not_take():
@@ -288,6 +292,45 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
                 expect = quant.pack(quant.compress(x[q].cpu(), cfg)) if q != 2 else torch.full((wire,), 7, dtype=torch.uint8)
                 if not torch.equal(buf[q * seg:q * seg + wire].cpu(), expect):
                     failures.append(f"segment {q} {cfg} (2 skipped, {what})")
+    assert not failures, f"{len(failures)} mismatches: " + "; ".join(failures[:20])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_every_16bit_fetch_writes_the_reference_bytes():
+    """One GPU. Compress of 16-bit input fetched by loads, by cp.async and by bulk copies (whole items
+    through the inbox, a ragged tail, strided segments with one skipped on a 3-block grid, an
+    all-gather's own part) writes the reference's bytes, for the defaults and the configurations
+    whose paths through the inbox differ (no transform, G 32 and 512, single scale, adaptive)."""
+    dev = torch.device("cuda")
+    configs = [QuantConfig(128), QuantConfig(128, hadamard=False, dual_scale=False), QuantConfig(32),
+               QuantConfig(512, "e5m2"), QuantConfig(128, dual_scale=False), QuantConfig(128, hadamard="adaptive")]
+    magnitudes = torch.logspace(-6, 3, 9)[:, None]
+    failures = []
+    for fetch in cuda.FETCH16_CODE:
+        previous = cuda.set_tuning(cuda.Tuning(fetch16=fetch))
+        try:
+            for cfg, dtype in itertools.product(configs, (torch.bfloat16, torch.float16)):
+                x = (gaussian((9, 4226), seed=3) * magnitudes).to(dtype)  # 37 whole items and a tail
+                ref = quant.compress(x, cfg)
+                own = torch.full(x.shape, float("nan"), dtype=dtype, device=dev)
+                buf = cuda.compress_into(x.to(dev), cfg, torch.empty_like(quant.pack(ref), device=dev), own_out=own)
+                if not torch.equal(buf.cpu(), quant.pack(ref)):
+                    failures.append(f"{fetch} compress {cfg} {dtype}")
+                if not same_bits(own.cpu(), quant.decompress(ref)):
+                    failures.append(f"{fetch} own part {cfg} {dtype}")
+                wide = (gaussian((4, 3512), seed=4) * 10).to(dtype)
+                seg, wire = cfg.packed_stride(3000), cfg.wire_bytes(3000)
+                segs = cuda.compress_into(wide.to(dev)[:, 256:3256], cfg,
+                                          torch.full((4 * seg,), 7, dtype=torch.uint8, device=dev), segments=4, skip=2,
+                                          max_blocks=3).cpu()
+                for q in range(4):
+                    expect = (quant.pack(quant.compress(wide[q, 256:3256], cfg)) if q != 2
+                              else torch.full((wire,), 7, dtype=torch.uint8))
+                    if not torch.equal(segs[q * seg:q * seg + wire], expect):
+                        failures.append(f"{fetch} segment {q} {cfg} {dtype}")
+        finally:
+            cuda.set_tuning(previous)
     assert not failures, f"{len(failures)} mismatches: " + "; ".join(failures[:20])
 
 

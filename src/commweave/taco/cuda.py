@@ -53,16 +53,25 @@ class Tuning:
       occupancy), each warp looping over items with the next one's bytes in flight, so no block waits
       for a second wave and a message of 4-64 MiB is not a few short waves of one item per warp;
       False: up to `legacy_blocks_per_sm` blocks per SM (one item per warp below ~32 MiB).
-    fetch16: compress also fetches 16-bit input's next item into shared memory (cp.async) while it
-      compresses the current one, as it always does for FP32 input (off: slower on an H200, NOTES.md).
+    fetch16: how compress reads 16-bit input: "load" (into registers when it starts an item), "async"
+      (the next item into shared memory by cp.async while it compresses the current one, as it always
+      does for FP32 input), "bulk" (the next item by bulk copies, the TMA; read from shared memory in
+      both layouts the transposed transform needs). NOTES.md has the measurements.
     transpose: G = 128 only: the cross-lane Hadamard stages and the RMS's cross-lane halvings run in
       registers after an exchange through shared memory (a lane then holds elements of all four of its
       group's lanes) instead of one warp shuffle per element and stage."""
 
     persistent: bool = True
-    fetch16: bool = False
+    fetch16: str = "bulk"
     transpose: bool = True
     legacy_blocks_per_sm: int = 8
+
+    def __post_init__(self) -> None:
+        if self.fetch16 not in FETCH16_CODE:
+            raise ValueError(f"fetch16 must be one of {', '.join(FETCH16_CODE)}, got {self.fetch16!r}")
+
+
+FETCH16_CODE = {"load": 0, "async": 1, "bulk": 2}  # the .cu's TACO_FETCH16
 
 
 TUNING = Tuning()
@@ -142,7 +151,7 @@ def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> s
               "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum,
               **{f"TACO_MIN_BLOCKS_{k.upper()}": _min_blocks(k, cfg) for k in MIN_BLOCKS_PER_SM},
               "TACO_FWHT_SCALE": _fp32_literal(1.0 / math.sqrt(cfg.group_size)),
-              "TACO_FETCH16": int(TUNING.fetch16), "TACO_TRANSPOSE": int(TUNING.transpose)}
+              "TACO_FETCH16": FETCH16_CODE[TUNING.fetch16], "TACO_TRANSPOSE": int(TUNING.transpose)}
     return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
 
 
