@@ -15,7 +15,7 @@ copy's rate at that size; the fraction reported is roofline time / measured time
 (the copy's too) rotates over enough input sets that together they exceed twice the L2.
 
 Every kernel setting in `--tunings` (`cuda.Tuning`: persistent grid, how 16-bit input is fetched,
-transposed layout) is timed in the same process, after checking that it writes the same bytes as the
+transposed layout, compress's block size and register budget: name-BLOCKSIZExBLOCKS) is timed in the same process, after checking that it writes the same bytes as the
 reference (`quant.py`, at 1 MiB) and as the first tuning (at every size).
 
     python bench/taco_codec.py [--sizes 4 16 64 256] [--tunings legacy default] [--iters 20] [--plot]
@@ -46,6 +46,10 @@ TUNINGS = {
     "persistent": cuda.Tuning(fetch16="load", transpose=False),
     "load": cuda.Tuning(fetch16="load"),
     "async": cuda.Tuning(fetch16="async"),
+    "load-128x5": cuda.Tuning(fetch16="load", compress_threads=128, compress_min_blocks=5),
+    "async-128x5": cuda.Tuning(fetch16="async", compress_threads=128, compress_min_blocks=5),
+    "load-256x3": cuda.Tuning(fetch16="load", compress_min_blocks=3),
+    "async-256x3": cuda.Tuning(fetch16="async", compress_min_blocks=3),
     "default": cuda.Tuning(),
 }
 WORLDS = (2, 4)

@@ -22,11 +22,11 @@
 //   TACO_IN        compress input  0: FP32, 1: FP16, 2: BF16
 //   TACO_OUT       decompress output 0: FP32, 1: FP16, 2: BF16
 //   TACO_NSRC      messages the summing decompress adds (1..8)
-//   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks of 256 threads per SM each kernel's registers allow
+//   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks per SM each kernel's registers allow (of
+//                  TACO_COMPRESS_THREADS threads for compress, 256 for the others)
+//   TACO_COMPRESS_THREADS  compress's block size (128 or 256)
 //   TACO_FWHT_SCALE  1/sqrt(G) rounded to FP32 (a hex literal)
-//   TACO_FETCH16   how compress fetches 16-bit input: 0 loads into registers when it starts an item;
-//                  1 the next item into shared memory by cp.async, as FP32's; 2 the next item into
-//                  shared memory by bulk copies (the TMA), read from there in both layouts
+//   TACO_FETCH16   1: compress fetches 16-bit input's next item into shared memory, as FP32's
 //   TACO_TRANSPOSE 1: at G = 128, cross-lane butterflies and halvings in registers after an exchange
 //                  through shared memory (see "Transposed layout" below)
 //
@@ -37,6 +37,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
+#include <type_traits>
 
 #define G TACO_G
 constexpr int E = 32;                        // elements per lane
@@ -70,6 +71,23 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<2>(float v) { re
 
 template <typename T> struct alignas(16) Chunk { T v[16 / sizeof(T)]; };  // one 16-byte access
 
+// A 16-byte chunk's values as FP32, in order. BF16 is the upper half of an FP32, so a word's two
+// values are a shift and a mask (two instructions; the compiler's per-value conversion takes three).
+template <typename T>
+__device__ __forceinline__ void chunk_to_float(const Chunk<T>& c, float* out) {
+  if constexpr (sizeof(T) == 2 && !std::is_same_v<T, __half>) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&c);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = __uint_as_float(w[k] << 16);
+      out[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 16 / (int)sizeof(T); ++r) out[r] = to_float(c.v[r]);
+  }
+}
+
 // This lane's 32 elements starting at `first` of a message of `numel`: all 16-byte loads issued
 // before any is used when the lane is whole and `vec` says aligned; else element by element.
 template <typename T>
@@ -80,9 +98,7 @@ __device__ __forceinline__ void load_lane(const T* base, long long first, long l
 #pragma unroll
     for (int k = 0; k < E / N; ++k) raw[k] = reinterpret_cast<const Chunk<T>*>(base)[k];
 #pragma unroll
-    for (int k = 0; k < E / N; ++k)
-#pragma unroll
-      for (int r = 0; r < N; ++r) v[k * N + r] = to_float(raw[k].v[r]);
+    for (int k = 0; k < E / N; ++k) chunk_to_float(raw[k], v + k * N);
   } else {
 #pragma unroll
     for (int r = 0; r < E; ++r) v[r] = first + r < numel ? to_float(base[r]) : 0.0f;
@@ -414,10 +430,11 @@ __device__ __forceinline__ void load_lane_transposed(const T* base, long long it
   }
 }
 
-// quant._pairwise_sum of the group, s in layout T (CAN_TRANSPOSE): halves 64, 32 and 16 (k's bits,
-// h) in registers, 8 and 4 (j's bits) across lanes on 4 values, 2 and 1 in registers; 8 shuffles
-// instead of 26 and the 48 selects of the split cross-lane halvings of layout N.
-__device__ __forceinline__ float group_pairwise_sum_in_t(float (&s)[E]) {
+// quant._pairwise_sum of the group, s in layout N, through layout T (X: CAN_TRANSPOSE): halves 64,
+// 32 and 16 (k's bits, h) in registers, 8 and 4 (j's bits) across lanes on 4 values, 2 and 1 in
+// registers; 8 shuffles instead of 26 and the 48 selects of the split cross-lane halvings.
+__device__ __forceinline__ float group_pairwise_sum_transposed(float (&s)[E], float* scratch, int lane) {
+  to_transposed(s, scratch, lane);
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -435,14 +452,10 @@ __device__ __forceinline__ float group_pairwise_sum_in_t(float (&s)[E]) {
   return __fadd_rn(__fadd_rn(s[0], s[2]), __fadd_rn(s[1], s[3]));  // halves 2, 1
 }
 
-// How group_rms sums: s in layout N with shuffles, in layout N through the exchange to T, or s
-// already in layout T (read so from compress's inbox).
-enum class SumLayout { Shuffled, Exchanged, Transposed };
-
 // quant._rms: absmax-normalised sum of squares, correctly rounded sqrt; 0 -> absmax -> 1.
 // Division by G (a power of two) is the exact multiplication by 1/G: the same real quotient,
 // rounded once either way.
-template <SumLayout L = SumLayout::Shuffled>
+template <bool X = false>
 __device__ __forceinline__ float group_rms(const float (&v)[E], int lane, float* scratch = nullptr) {
   const float absmax = group_absmax(v);
   const float safe = absmax > 0.0f ? fmaxf(absmax, TINY) : 1.0f;
@@ -453,8 +466,9 @@ __device__ __forceinline__ float group_rms(const float (&v)[E], int lane, float*
     const float t = __fmul_rn(v[r], inv);
     s[r] = __fmul_rn(t, t);
   }
-  if constexpr (L == SumLayout::Exchanged) to_transposed(s, scratch, lane);
-  const float sum = L == SumLayout::Shuffled ? group_pairwise_sum(s, lane) : group_pairwise_sum_in_t(s);
+  float sum;
+  if constexpr (X) sum = group_pairwise_sum_transposed(s, scratch, lane);
+  else sum = group_pairwise_sum(s, lane);
   const float rms = __fmul_rn(safe, __fsqrt_rn(__fmul_rn(sum, 1.0f / G)));
   return rms > 0.0f ? fmaxf(rms, TINY) : safe;
 }
@@ -512,17 +526,15 @@ __device__ __forceinline__ void cast_transform_input(float (&v)[E]) {
 // pre-scale. X (CAN_TRANSPOSE only): the transform through `scratch`, q in layout T (word 4 h + k:
 // elements 32 k + 16 h + 4 j ..).
 // XR (with X): the RMS's pairwise sum through layout T too (off where it costs spills: sum-compress).
-// PRE_GIVEN: the caller computed the RMS (group_rms) and passes it in `pre`.
-template <bool X = false, bool XR = X, bool PRE_GIVEN = false>
+template <bool X = false, bool XR = X>
 __device__ __forceinline__ void compress_group(float (&v)[E], int lane, Payload& q, float& scale, float& pre,
                                                float* scratch = nullptr) {
+  pre = 1.0f;
 #if TACO_DUAL
-  if constexpr (!PRE_GIVEN) pre = group_rms<X && XR ? SumLayout::Exchanged : SumLayout::Shuffled>(v, lane, scratch);
+  pre = group_rms<X && XR>(v, lane, scratch);
   const float inv_pre = __frcp_rn(pre);
 #pragma unroll
   for (int r = 0; r < E; ++r) v[r] = __fmul_rn(v[r], inv_pre);
-#else
-  pre = 1.0f;
 #endif
 #if TACO_HADAMARD == 0
   scale = group_quantize(v, q);
@@ -600,12 +612,12 @@ __device__ __forceinline__ void decompress_group(const Payload& p, float scale, 
 // q, scale, pre: what was stored (for a caller that also decompresses it).
 // X: compress_group<true> (scratch: XPOSE_BYTES of the warp's shared memory), q in layout T, its words
 // staged at word slot (8 k + 4 h + j) ^ 4 g of group row g (conflict-free), read back as 16-byte
-// chunks. PRE_GIVEN: as compress_group's.
-template <bool X = false, bool XR = X, bool PRE_GIVEN = false>
+// chunks.
+template <bool X = false, bool XR = X>
 __device__ __forceinline__ void compress_store(float (&v)[E], int lane, uint8_t* stage, uint8_t* payload,
                                                long long groups, long long item_first, Payload& q, float& scale,
                                                float& pre, float* scratch = nullptr) {
-  compress_group<X, XR, PRE_GIVEN>(v, lane, q, scale, pre, scratch);
+  compress_group<X, XR>(v, lane, q, scale, pre, scratch);
   const long long first = item_first + lane * E, group = first / G;
   if constexpr (X) {
     const int g = lane >> 2, j = lane & 3;
@@ -699,68 +711,33 @@ __device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Bulk copies (the TMA): global -> shared by the copy engine of the SM, no registers, no L1 load
-// wavefronts; their completion counted in bytes on an mbarrier of the warp's (one arrival a phase:
-// the lane that announces the bytes).
-__device__ __forceinline__ unsigned smem_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_address(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
-}
-// this phase completes when `bytes` have arrived
-__device__ __forceinline__ void mbarrier_expect(uint64_t* bar, unsigned bytes) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
-                   smem_address(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}\n" ::"r"(
-          smem_address(bar)), "r"(parity) : "memory");
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
-}
-// the lanes' earlier shared-memory accesses (generic proxy) ordered before later bulk copies' writes
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // Compress `segments` messages of `numel` elements each, message s at x + s * x_stride, into packed
 // message s at buf + s * buf_stride (16-byte aligned), all but message `skip` (-1: none; a
 // reduce-scatter's own chunk). vec: x and x_stride allow 16-byte loads.
 // own_out (non-null, segments 1): the message also decompressed, from the values just quantized in
 // registers, into own_out (the input's type; own_vec: 16-byte stores allowed): an all-gather's own
 // part, bit for bit what taco_gather would make of the stored bytes, without reading them back.
-// FP32 input (and 16-bit input with TACO_FETCH16 1): a warp's next whole item is fetched into its
+// FP32 input (and 16-bit input with TACO_FETCH16): a warp's next whole item is fetched into its
 // shared inbox (cp.async, coalesced, swizzled as the stage) while it compresses the current one, so
 // the loads' latency hides behind the arithmetic without holding registers (the compression takes
-// ~120 of its 128); partial items load straight into registers. 16-bit input with TACO_FETCH16 2:
-// the next whole item arrives by 8 bulk copies of 128 elements (lanes 0-7 issue one each), piece p at
-// PITCH * p (32 bytes of padding a piece: the reads below are conflict-free in layout T, two-way in
-// layout N, instead of the uncoalesced loads' four-way), and with the transposed layout and the dual
-// pre-scale the RMS's values are read in layout T straight from there (no exchange).
-// Measurements: taco/NOTES.md.
-extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
+// ~120 of its 128); partial items load straight into registers. Measurements: taco/NOTES.md.
+extern "C" __global__ void __launch_bounds__(TACO_COMPRESS_THREADS, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
               int vec, int skip, void* own_out_, int own_vec) {
   using T = typename Storage<TACO_IN>::T;
-  constexpr int FETCH_MODE = sizeof(T) == 4 ? 1 : TACO_FETCH16;
-  constexpr bool FETCH = FETCH_MODE == 1, BULK = FETCH_MODE == 2;
+  constexpr bool FETCH = sizeof(T) == 4 || TACO_FETCH16;
   constexpr int LANE_BYTES = E * sizeof(T);  // a lane's input bytes
   constexpr int P = LANE_BYTES / 16;
-  constexpr int PIECE = 128 * sizeof(T), PITCH = PIECE + 32;  // a bulk copy's bytes, its inbox stride
   // 16-bit own_out goes out through a stage (coalesced); FP32's would not fit beside its inbox in
   // 48 KiB of static shared memory, so FP32 stores lane by lane (slower, still exact)
   constexpr bool STAGE_OUT = sizeof(T) == 2;
   // the transposed layout's exchange uses the own_out stage (16-bit input only: FP32's inbox leaves no room)
   constexpr bool X = CAN_TRANSPOSE && STAGE_OUT;
-  constexpr bool RMS_FIRST = BULK && X && TACO_DUAL;  // the RMS before the values in layout N
-  __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
-  // a warp's next item's input
-  __shared__ __align__(16) uint8_t inbox[8][FETCH ? 32 * LANE_BYTES : BULK ? 8 * PITCH : 16];
-  __shared__ uint64_t arrived[8];  // BULK: a warp's inbox is full (mbarrier)
+  constexpr int WARPS = TACO_COMPRESS_THREADS / 32;
+  __shared__ __align__(16) uint8_t stage[WARPS][ITEM];  // a warp's payload bytes
+  __shared__ __align__(16) uint8_t inbox[WARPS][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
   // a warp's own_out bytes, and the transposed layout's exchange
-  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? (X ? XPOSE_BYTES : 32 * LANE_BYTES) : 16];
+  __shared__ __align__(16) uint8_t out_stage[WARPS][STAGE_OUT ? (X ? XPOSE_BYTES : 32 * LANE_BYTES) : 16];
   T* own_out = static_cast<T*>(own_out_);
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
@@ -772,30 +749,18 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   auto seg_of = [&](long long item) { return segments == 1 ? 0LL : item_div(item, per_segment); };
   auto skipped = [&](long long item) { return skip >= 0 && item < items && seg_of(item) == skip; };
   auto fetched = [&](long long item) {
-    return (FETCH || BULK) && vec && (item - seg_of(item) * per_segment + 1) * ITEM <= numel;
+    return FETCH && vec && (item - seg_of(item) * per_segment + 1) * ITEM <= numel;
   };
-  auto prefetch = [&](long long item) {  // the item's input into the inbox
+  auto prefetch = [&](long long item) {  // the item's input, chunk c = 32 k + lane to its stage slot
     const long long seg = seg_of(item);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(x + seg * x_stride + (item - seg * per_segment) * ITEM);
-    if constexpr (BULK) {
-      fence_proxy_async();  // this lane's reads of the inbox before the copies overwrite it
-      __syncwarp();
-      if (lane == 0) mbarrier_expect(&arrived[warp], ITEM * sizeof(T));
-      if (lane < 8) bulk_copy(inbox[warp] + PITCH * lane, src + PIECE * lane, PIECE, &arrived[warp]);
-    } else {  // chunk c = 32 k + lane to its stage slot
 #pragma unroll
-      for (int k = 0; k < P; ++k) {
-        const int c = 32 * k + lane;
-        copy_async16(inbox[warp] + stage_slot<LANE_BYTES>(c / P, c % P), src + 16 * c);
-      }
-      copy_async_commit();
+    for (int k = 0; k < P; ++k) {
+      const int c = 32 * k + lane;
+      copy_async16(inbox[warp] + stage_slot<LANE_BYTES>(c / P, c % P), src + 16 * c);
     }
+    copy_async_commit();
   };
-  unsigned parity = 0;  // BULK: the phase of arrived[warp] the next item completes
-  if constexpr (BULK) {
-    if (lane == 0) mbarrier_init(&arrived[warp]);
-    __syncwarp();
-  }
   long long item = blockIdx.x * (long long)(blockDim.x / 32) + warp;
   while (skipped(item)) item += warps;
   if (item < items && fetched(item)) prefetch(item);
@@ -803,52 +768,24 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
     const long long seg = seg_of(item);
     const long long item_first = (item - seg * per_segment) * ITEM, first = item_first + lane * E;
     float v[E];
-    float pre = 1.0f, scale;
-    float* scratch = reinterpret_cast<float*>(out_stage[warp]);
-    constexpr int N = 16 / sizeof(T);
     if (fetched(item)) {  // warp-uniform
-      if constexpr (BULK) {
-        mbarrier_wait(&arrived[warp], parity);
-        parity ^= 1;
-        const uint8_t* piece = inbox[warp] + PITCH * (lane >> 2);
-        if constexpr (RMS_FIRST) {  // layout T: runs of 4 elements (8 bytes), conflict-free
-          float t[E];
+      copy_async_wait_all();
+      __syncwarp();
+      constexpr int N = 16 / sizeof(T);
 #pragma unroll
-          for (int r = 0; r < E; r += 4) {
-            const uint2 raw = *reinterpret_cast<const uint2*>(piece + sizeof(T) * (transposed_offset(lane, r) & 127));
-            const T* h = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) t[r + k] = to_float(h[k]);
-          }
-          pre = group_rms<SumLayout::Transposed>(t, lane);
-        }
-#pragma unroll
-        for (int j = 0; j < P; ++j) {  // layout N
-          const Chunk<T> c = *reinterpret_cast<const Chunk<T>*>(piece + LANE_BYTES * (lane & 3) + 16 * j);
-#pragma unroll
-          for (int r = 0; r < N; ++r) v[j * N + r] = to_float(c.v[r]);
-        }
-      } else {
-        copy_async_wait_all();
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < P; ++j) {
-          const Chunk<T> c = *reinterpret_cast<const Chunk<T>*>(inbox[warp] + stage_slot<LANE_BYTES>(lane, j));
-#pragma unroll
-          for (int r = 0; r < N; ++r) v[j * N + r] = to_float(c.v[r]);
-        }
-      }
+      for (int j = 0; j < P; ++j)
+        chunk_to_float(*reinterpret_cast<const Chunk<T>*>(inbox[warp] + stage_slot<LANE_BYTES>(lane, j)), v + j * N);
       __syncwarp();  // every lane has its values: the inbox may take the next item
     } else {
       load_lane(x + seg * x_stride + first, first, numel, vec, v);
-      if constexpr (RMS_FIRST) pre = group_rms<SumLayout::Exchanged>(v, lane, scratch);
     }
     long long next = item + warps;
     while (skipped(next)) next += warps;
     if (next < items && fetched(next)) prefetch(next);
     Payload q;
-    compress_store<X, X, RMS_FIRST>(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre,
-                                    scratch);
+    float scale, pre;
+    float* scratch = reinterpret_cast<float*>(out_stage[warp]);
+    compress_store<X>(v, lane, stage[warp], buf + seg * buf_stride, groups, item_first, q, scale, pre, scratch);
     if (own_out != nullptr) {  // grid-uniform
       decompress_group<X, X>(q, scale, pre, lane, v, scratch);
       if constexpr (X) store_item_transposed<TACO_IN>(own_out, v, out_stage[warp], item_first, numel, own_vec, lane);
