@@ -3,8 +3,9 @@
 For each size (MiB of BF16 handled by a call, 4-256 by default) this times, with CUDA events
 (`runtime.timers.cuda_median_us`: each call queued behind a spin kernel, so the time is the GPU's):
 - a device-to-device copy of that size (torch `copy_`): the roofline's rate, bytes read + written;
-- compress and decompress (the one-message gather) at TACO's defaults (Hadamard + dual scales) and
-  with both off ("plain");
+- compress and decompress (the one-message gather) at TACO's defaults (Hadamard + dual scales),
+  with the Hadamard transform and one scale ("single-scale": no RMS pre-scale) and with both off
+  ("plain");
 - the fused gather of W = 2 and 4 messages (one all-gather's output of that size, W messages of
   size / W: what a rank's gather reads in the rank simulation, every peer's message in this GPU's
   memory) and the fused sum of W = 2 and 4 messages of that size (one-shot all-reduce's sum);
@@ -15,7 +16,7 @@ copy's rate at that size; the fraction reported is roofline time / measured time
 (the copy's too) rotates over enough input sets that together they exceed twice the L2.
 
 Every kernel setting in `--tunings` (`cuda.Tuning`: persistent grid, how 16-bit input is fetched,
-transposed layout, compress's block size and register budget: name-BLOCKSIZExBLOCKS) is timed in the same process, after checking that it writes the same bytes as the
+transposed layout) is timed in the same process, after checking that it writes the same bytes as the
 reference (`quant.py`, at 1 MiB) and as the first tuning (at every size).
 
     python bench/taco_codec.py [--sizes 4 16 64 256] [--tunings legacy default] [--iters 20] [--plot]
@@ -40,16 +41,13 @@ from commweave.taco import cuda, quant
 from commweave.taco.quant import QuantConfig
 
 MIB = 1 << 20
-CONFIGS = {"defaults": QuantConfig(128), "plain": QuantConfig(128, hadamard=False, dual_scale=False)}
+CONFIGS = {"defaults": QuantConfig(128), "single-scale": QuantConfig(128, dual_scale=False),
+           "plain": QuantConfig(128, hadamard=False, dual_scale=False)}
 TUNINGS = {
     "legacy": cuda.Tuning(persistent=False, fetch16="load", transpose=False),
     "persistent": cuda.Tuning(fetch16="load", transpose=False),
     "load": cuda.Tuning(fetch16="load"),
     "async": cuda.Tuning(fetch16="async"),
-    "load-128x5": cuda.Tuning(fetch16="load", compress_threads=128, compress_min_blocks=5),
-    "async-128x5": cuda.Tuning(fetch16="async", compress_threads=128, compress_min_blocks=5),
-    "load-256x3": cuda.Tuning(fetch16="load", compress_min_blocks=3),
-    "async-256x3": cuda.Tuning(fetch16="async", compress_min_blocks=3),
     "default": cuda.Tuning(),
 }
 WORLDS = (2, 4)
@@ -253,7 +251,7 @@ def _plot(rows: list[dict], path: Path, tuning: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, len(CONFIGS), figsize=(6 * len(CONFIGS), 4.5), sharey=True)
     for ax, cname in zip(axes, CONFIGS):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
@@ -269,7 +267,7 @@ def _plot(rows: list[dict], path: Path, tuning: str) -> None:
         ax.axhline(1.0, color="grey", linewidth=0.5)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of copy roofline")
-    axes[1].legend(fontsize=8)
+    axes[-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print("plot:", path)

@@ -64,8 +64,7 @@ def test_every_tuning_compiles_without_spills_at_the_defaults():
     frame but sum-compress's)."""
     toolchain_or_skip()
     cases = [(cuda.Tuning(fetch16="async", transpose=False), torch.bfloat16),
-             (cuda.Tuning(fetch16="load"), torch.bfloat16), (cuda.Tuning(compress_threads=128, compress_min_blocks=4),
-                                                             torch.float16),
+             (cuda.Tuning(fetch16="load"), torch.bfloat16), (cuda.Tuning(), torch.float16),
              (cuda.Tuning(), torch.float32), (cuda.Tuning(), torch.bfloat16)]
     sources = []
     for tuning, dtype in cases:
@@ -87,14 +86,13 @@ def test_every_tuning_compiles_without_spills_at_the_defaults():
 def test_tuning_sets_the_macros_and_the_grid(monkeypatch):
     """set_tuning recompiles with the tuning's macros; the persistent grid is the resident blocks at
     most (the kernel's launch bound where no driver occupancy is known), the legacy one 8 a SM;
-    compress's block size and budget are the tuning's (adaptive's capped at 2 blocks' registers);
     "auto" fetches by cp.async only where the transform is on."""
     monkeypatch.setattr(cuda, "_sm_count", lambda index: 132)
     previous = cuda.set_tuning(cuda.Tuning(fetch16="async", transpose=False))
     try:
         text = cuda.specialization(QuantConfig(), torch.bfloat16, 2)
         assert "#define TACO_FETCH16 1\n" in text and "#define TACO_TRANSPOSE 0\n" in text
-        assert cuda._min_blocks_of(text, "taco_compress") == 2 and cuda._threads_of(text, "taco_compress") == 256
+        assert cuda._min_blocks_of(text, "taco_compress") == cuda.MIN_BLOCKS_PER_SM["compress"]
         assert cuda._min_blocks_of(text, "taco_sum_compress") == cuda.MIN_BLOCKS_PER_SM["sum"]
         assert cuda._resident_blocks(object(), 3) == 3  # not a driver function: the launch bound
         assert cuda._grid(0, 100_000, 2) == 264 and cuda._grid(0, 9, 2) == 2 and cuda._grid(0, 0, 2) == 1
@@ -104,20 +102,12 @@ def test_tuning_sets_the_macros_and_the_grid(monkeypatch):
         assert "#define TACO_FETCH16 1\n" in text and "#define TACO_TRANSPOSE 1\n" in text
         plain = cuda.specialization(QuantConfig(hadamard=False), torch.bfloat16, 2)
         assert "#define TACO_FETCH16 0\n" in plain
-        cuda.set_tuning(cuda.Tuning(compress_threads=128, compress_min_blocks=5))
-        text = cuda.specialization(QuantConfig(), torch.bfloat16, 2)
-        assert cuda._threads_of(text, "taco_compress") == 128 and cuda._min_blocks_of(text, "taco_compress") == 5
-        assert cuda._threads_of(text, "taco_gather") == 256 and cuda._min_blocks_of(text, "taco_gather") == 3
-        adaptive = cuda.specialization(QuantConfig(hadamard="adaptive"), torch.bfloat16, 2)
-        assert cuda._min_blocks_of(adaptive, "taco_compress") == 4
-        assert cuda._grid(0, 100_000, 5, 128) == 660 and cuda._resident_blocks(object(), 5, 128) == 5
     finally:
         cuda.set_tuning(previous)
     assert cuda.TUNING == previous
     with pytest.raises(ValueError, match="fetch16 must be one of load, async, auto, got 'tma'"):
         cuda.Tuning(fetch16="tma")
-    with pytest.raises(ValueError, match="blocks of 128 or 256 threads, at most 2048 threads an SM, got 9 blocks of 256"):
-        cuda.Tuning(compress_min_blocks=9)
+
 
 
 def test_specialization_refuses_what_the_kernels_do_not_take():
@@ -311,18 +301,17 @@ def test_cuda_kernels_match_the_reference_bit_for_bit():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_every_16bit_fetch_and_block_size_writes_the_reference_bytes():
+def test_every_16bit_fetch_writes_the_reference_bytes():
     """One GPU. Compress of 16-bit input fetched by loads and by cp.async (whole items through the
     inbox, a ragged tail, strided segments with one skipped on a 3-block grid, an all-gather's own
-    part), in blocks of 256 and 128 threads, writes the reference's bytes, for the defaults and the
-    configurations whose paths differ (no transform, G 32 and 512, single scale, adaptive)."""
+    part) writes the reference's bytes, for the defaults and the configurations whose paths differ
+    (no transform, G 32 and 512, single scale, adaptive)."""
     dev = torch.device("cuda")
     configs = [QuantConfig(128), QuantConfig(128, hadamard=False, dual_scale=False), QuantConfig(32),
                QuantConfig(512, "e5m2"), QuantConfig(128, dual_scale=False), QuantConfig(128, hadamard="adaptive")]
     failures = []
     for fetch in cuda.FETCH16_MODES:
-        previous = cuda.set_tuning(cuda.Tuning(fetch16=fetch, compress_threads=128 if fetch == "auto" else 256,
-                                               compress_min_blocks=5 if fetch == "auto" else 2))
+        previous = cuda.set_tuning(cuda.Tuning(fetch16=fetch))
         try:
             for cfg, dtype in itertools.product(configs, (torch.bfloat16, torch.float16)):
                 x = gaussian((9, 4226), seed=3).to(dtype)  # 37 whole items and a tail

@@ -36,11 +36,12 @@ DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FMT_CODE = {"e4m3": 0, "e5m2": 1}
 _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
 MAX_SOURCES = 8  # `Sources` in the .cu
-THREADS = 256  # a block of the reading kernels (compress's: Tuning.compress_threads)
-# register budget per reading kernel: blocks of THREADS resident per SM (more: more warps to hide
-# latency, fewer registers; measured with bench/probe_taco_kernels.py: gather is as fast at 2, 3 or
-# 4; the transposed layout's gather spills at 4); compress's is Tuning.compress_min_blocks
-MIN_BLOCKS_PER_SM = {"gather": 3, "sum": 2}
+THREADS = 256
+# register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
+# fewer registers; measured with bench/taco_codec.py and probe_taco_kernels.py: compress is fastest
+# at 2 (3 spills, and 128-thread blocks 5 a SM measured alike: NOTES.md), gather is as fast at 2, 3
+# or 4; the transposed layout's gather spills at 4)
+MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 3, "sum": 2}
 _KERNEL_BUDGET = {"taco_compress": "compress", "taco_gather": "gather", "taco_sum": "sum", "taco_sum_compress": "sum"}
 
 
@@ -57,8 +58,6 @@ class Tuning:
       (the next item into shared memory by cp.async while it compresses the current one, as it always
       does for FP32 input), "auto" (async where the Hadamard transform is on, whose arithmetic the
       loads' latency can hide behind; load without it). NOTES.md has the measurements.
-    compress_threads, compress_min_blocks: compress's block size (128 or 256 threads) and the blocks
-      per SM its register budget allows (more: more warps to hide latency, fewer registers, spills).
     transpose: G = 128 only: the cross-lane Hadamard stages and the RMS's cross-lane halvings run in
       registers after an exchange through shared memory (a lane then holds elements of all four of its
       group's lanes) instead of one warp shuffle per element and stage."""
@@ -67,15 +66,10 @@ class Tuning:
     fetch16: str = "auto"
     transpose: bool = True
     legacy_blocks_per_sm: int = 8
-    compress_threads: int = 256
-    compress_min_blocks: int = 2
 
     def __post_init__(self) -> None:
         if self.fetch16 not in FETCH16_MODES:
             raise ValueError(f"fetch16 must be one of {', '.join(FETCH16_MODES)}, got {self.fetch16!r}")
-        if self.compress_threads not in (128, 256) or not 1 <= self.compress_min_blocks * self.compress_threads <= 2048:
-            raise ValueError(f"compress takes blocks of 128 or 256 threads, at most 2048 threads an SM, got "
-                             f"{self.compress_min_blocks} blocks of {self.compress_threads}")
 
     def fetches_async(self, cfg: QuantConfig) -> bool:
         """Whether compress fetches 16-bit input under `cfg` by cp.async (the .cu's TACO_FETCH16)."""
@@ -138,11 +132,9 @@ def source_addresses(arg: bytes, count: int) -> list[int]:
 
 
 def _min_blocks(kernel: str, cfg: QuantConfig) -> int:
-    """A kernel's register budget (blocks a SM); adaptive compression and decompression hold both
-    transforms' values (they spill above 2 blocks of 256 threads)."""
-    threads = TUNING.compress_threads if kernel == "compress" else THREADS
-    blocks = TUNING.compress_min_blocks if kernel == "compress" else MIN_BLOCKS_PER_SM[kernel]
-    return min(2 * 256 // threads, blocks) if cfg.hadamard == "adaptive" else blocks
+    """A kernel's register budget; adaptive decompression holds both transforms' values (spills
+    above 2 blocks)."""
+    return min(2, MIN_BLOCKS_PER_SM[kernel]) if cfg.hadamard == "adaptive" else MIN_BLOCKS_PER_SM[kernel]
 
 
 def _fp32_literal(value: float) -> str:
@@ -162,8 +154,7 @@ def specialization(cfg: QuantConfig, io_dtype: torch.dtype, n_sum: int = 1) -> s
     macros = {"TACO_G": cfg.group_size, "TACO_FMT": _FMT_CODE[cfg.fmt], "TACO_HADAMARD": _HADAMARD_CODE[cfg.hadamard],
               "TACO_DUAL": int(cfg.dual_scale), "TACO_CAST": DTYPE_CODE[cfg.transform_input_dtype],
               "TACO_IN": code, "TACO_OUT": code, "TACO_NSRC": n_sum,
-              **{f"TACO_MIN_BLOCKS_{k.upper()}": _min_blocks(k, cfg) for k in ("compress", *MIN_BLOCKS_PER_SM)},
-              "TACO_COMPRESS_THREADS": TUNING.compress_threads,
+              **{f"TACO_MIN_BLOCKS_{k.upper()}": _min_blocks(k, cfg) for k in MIN_BLOCKS_PER_SM},
               "TACO_FWHT_SCALE": _fp32_literal(1.0 / math.sqrt(cfg.group_size)),
               "TACO_FETCH16": int(TUNING.fetches_async(cfg)), "TACO_TRANSPOSE": int(TUNING.transpose)}
     return "".join(f"#define {k} {v}\n" for k, v in macros.items()) + SOURCE.read_text()
@@ -188,7 +179,6 @@ class Launch:
 
     kernel: Any
     grid: int
-    threads: int
     device_index: int
     args: tuple
     slots: Mapping[str, int]
@@ -198,7 +188,7 @@ class Launch:
         for name, value in values.items():
             args[self.slots[name]] = value
         with on_device(self.device_index):
-            self.kernel(self.grid, self.threads, args)
+            self.kernel(self.grid, THREADS, args)
 
     def value(self, name: str) -> int | bytes:
         """The argument `name` as launched first."""
@@ -232,9 +222,8 @@ def _launch(device: torch.device, source: str, name: str, warp_items: int, args:
     grid of at most `max_blocks` blocks when given: the warps loop over the rest)."""
     index = _device_index(device)
     kernel = _module(index, source).kernel(name)
-    threads = _threads_of(source, name)
-    grid = _grid(index, warp_items, _resident_blocks(kernel, _min_blocks_of(source, name), threads), threads)
-    launch = Launch(kernel, grid if max_blocks is None else min(grid, max_blocks), threads, index,
+    grid = _grid(index, warp_items, _resident_blocks(kernel, _min_blocks_of(source, name)))
+    launch = Launch(kernel, grid if max_blocks is None else min(grid, max_blocks), index,
                     tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), slots)
     launch()
     recorded = _recorder.get()
@@ -247,27 +236,18 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _macro(source: str, name: str) -> int:
-    """The value `source` defines for macro `name` (specialization's header)."""
-    start = source.index(f"#define {name} ") + len(name) + 9
-    return int(source[start:source.index("\n", start)])
-
-
 def _min_blocks_of(source: str, name: str) -> int:
     """The register budget `source` was specialised with for kernel `name` (its launch bound)."""
-    return _macro(source, f"TACO_MIN_BLOCKS_{_KERNEL_BUDGET[name].upper()}")
-
-
-def _threads_of(source: str, name: str) -> int:
-    """Kernel `name`'s block size in `source`."""
-    return _macro(source, "TACO_COMPRESS_THREADS") if name == "taco_compress" else THREADS
+    macro = f"#define TACO_MIN_BLOCKS_{_KERNEL_BUDGET[name].upper()} "
+    start = source.index(macro) + len(macro)
+    return int(source[start:source.index("\n", start)])
 
 
 _resident: dict[Any, int] = {}
 
 
-def _resident_blocks(kernel: Any, launch_bound: int, threads: int = THREADS) -> int:
-    """Blocks of `threads` of `kernel` resident at once on an SM (the driver's occupancy for its
+def _resident_blocks(kernel: Any, launch_bound: int) -> int:
+    """Blocks of THREADS of `kernel` resident at once on an SM (the driver's occupancy for its
     registers and shared memory; the launch bound where the kernel is not a driver function)."""
     function = getattr(kernel, "function", None)
     if function is None:
@@ -275,15 +255,15 @@ def _resident_blocks(kernel: Any, launch_bound: int, threads: int = THREADS) -> 
     if kernel not in _resident:
         from commweave.runtime.launch import _driver
 
-        err, blocks = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0)
+        err, blocks = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(function, THREADS, 0)
         _resident[kernel] = int(blocks) if int(err) == 0 and int(blocks) > 0 else launch_bound
     return _resident[kernel]
 
 
-def _grid(device_index: int, warp_items: int, resident: int, threads: int = THREADS) -> int:
+def _grid(device_index: int, warp_items: int, resident: int) -> int:
     """Blocks for `warp_items` warps' worth of items: a persistent grid (at most the blocks resident at
     once: warps loop over the rest) under TUNING.persistent, else capped at legacy_blocks_per_sm."""
-    blocks = -(-warp_items // (threads // 32))
+    blocks = -(-warp_items // (THREADS // 32))
     per_sm = resident if TUNING.persistent else TUNING.legacy_blocks_per_sm
     return max(1, min(blocks, _sm_count(device_index) * per_sm))
 

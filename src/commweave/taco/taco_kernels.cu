@@ -22,11 +22,10 @@
 //   TACO_IN        compress input  0: FP32, 1: FP16, 2: BF16
 //   TACO_OUT       decompress output 0: FP32, 1: FP16, 2: BF16
 //   TACO_NSRC      messages the summing decompress adds (1..8)
-//   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks per SM each kernel's registers allow (of
-//                  TACO_COMPRESS_THREADS threads for compress, 256 for the others)
-//   TACO_COMPRESS_THREADS  compress's block size (128 or 256)
+//   TACO_MIN_BLOCKS_COMPRESS, _GATHER, _SUM  blocks of 256 threads per SM each kernel's registers allow
 //   TACO_FWHT_SCALE  1/sqrt(G) rounded to FP32 (a hex literal)
-//   TACO_FETCH16   1: compress fetches 16-bit input's next item into shared memory, as FP32's
+//   TACO_FETCH16   1: compress fetches 16-bit input's next item into shared memory (cp.async), as
+//                  FP32's; 0: loads it into registers when it starts the item
 //   TACO_TRANSPOSE 1: at G = 128, cross-lane butterflies and halvings in registers after an exchange
 //                  through shared memory (see "Transposed layout" below)
 //
@@ -717,11 +716,11 @@ __device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.w
 // own_out (non-null, segments 1): the message also decompressed, from the values just quantized in
 // registers, into own_out (the input's type; own_vec: 16-byte stores allowed): an all-gather's own
 // part, bit for bit what taco_gather would make of the stored bytes, without reading them back.
-// FP32 input (and 16-bit input with TACO_FETCH16): a warp's next whole item is fetched into its
+// FP32 input (and 16-bit input with TACO_FETCH16 1): a warp's next whole item is fetched into its
 // shared inbox (cp.async, coalesced, swizzled as the stage) while it compresses the current one, so
 // the loads' latency hides behind the arithmetic without holding registers (the compression takes
 // ~120 of its 128); partial items load straight into registers. Measurements: taco/NOTES.md.
-extern "C" __global__ void __launch_bounds__(TACO_COMPRESS_THREADS, TACO_MIN_BLOCKS_COMPRESS)
+extern "C" __global__ void __launch_bounds__(256, TACO_MIN_BLOCKS_COMPRESS)
 taco_compress(const void* x_, long long numel, long long x_stride, int segments, uint8_t* buf, long long buf_stride,
               int vec, int skip, void* own_out_, int own_vec) {
   using T = typename Storage<TACO_IN>::T;
@@ -733,11 +732,10 @@ taco_compress(const void* x_, long long numel, long long x_stride, int segments,
   constexpr bool STAGE_OUT = sizeof(T) == 2;
   // the transposed layout's exchange uses the own_out stage (16-bit input only: FP32's inbox leaves no room)
   constexpr bool X = CAN_TRANSPOSE && STAGE_OUT;
-  constexpr int WARPS = TACO_COMPRESS_THREADS / 32;
-  __shared__ __align__(16) uint8_t stage[WARPS][ITEM];  // a warp's payload bytes
-  __shared__ __align__(16) uint8_t inbox[WARPS][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
+  __shared__ __align__(16) uint8_t stage[8][ITEM];  // a warp's payload bytes
+  __shared__ __align__(16) uint8_t inbox[8][FETCH ? 32 * LANE_BYTES : 16];  // a warp's next item's input
   // a warp's own_out bytes, and the transposed layout's exchange
-  __shared__ __align__(16) uint8_t out_stage[WARPS][STAGE_OUT ? (X ? XPOSE_BYTES : 32 * LANE_BYTES) : 16];
+  __shared__ __align__(16) uint8_t out_stage[8][STAGE_OUT ? (X ? XPOSE_BYTES : 32 * LANE_BYTES) : 16];
   T* own_out = static_cast<T*>(own_out_);
   const T* x = static_cast<const T*>(x_);
   const int lane = threadIdx.x & 31, warp = warp_in_block();
