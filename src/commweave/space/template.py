@@ -10,6 +10,7 @@ alone says which strategy it claims.
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from typing import Any
@@ -45,6 +46,11 @@ class Template(ABC):
 
     def __init__(self, workload: Workload):
         self.workload = workload
+
+    @functools.cached_property
+    def seed_text(self) -> str:
+        """The workload's seed program, the text templates render variants of (read once)."""
+        return self.workload.program_text(self.workload.seed)
 
     @abstractmethod
     def space(self, world_size: int, capabilities: Any = None) -> Space:

@@ -27,7 +27,7 @@ from typing import Any
 
 from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
-from commweave.contracts.workload import Shape, Workload
+from commweave.contracts.workload import Shape
 
 MAX_CHUNKS = 64  # more pieces per shard than this only adds GEMM launches
 
@@ -44,10 +44,6 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class GemmAllGatherTemplate(Template):
-    def __init__(self, workload: Workload):
-        super().__init__(workload)
-        self._seed_text = workload.program_text(workload.seed)
-
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=256 << 10, chunk_bytes_max=64 << 20, comm_ctas=(1, 2, 4, 8, 16, 32),
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
@@ -90,7 +86,7 @@ class GemmAllGatherTemplate(Template):
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         compression = {"compression": ds.compression, "group_size": ds.group_size} if ds.compression != "none" else {}
-        return with_config(self._seed_text, backend=ds.backend, comm_ctas=ds.comm_ctas,
+        return with_config(self.seed_text, backend=ds.backend, comm_ctas=ds.comm_ctas,
                            chunks=self.chunks_for(ds, shape, world_size), overlap=ds.placement == "split",
                            **compression, **ds.knob_dict)
 

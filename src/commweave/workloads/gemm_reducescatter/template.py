@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from commweave.contracts.program import with_config
-from commweave.contracts.workload import Shape, Workload
+from commweave.contracts.workload import Shape
 from commweave.space import Capabilities, DirectiveSet, Space, Template
 
 MAX_CHUNKS = 64  # more pieces per block than this only adds GEMM and reduction launches
@@ -40,10 +40,6 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class GemmReduceScatterTemplate(Template):
-    def __init__(self, workload: Workload):
-        super().__init__(workload)
-        self._seed_text = workload.program_text(workload.seed)
-
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=256 << 10, chunk_bytes_max=64 << 20, comm_ctas=(1, 2, 4, 8, 16, 32),
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
@@ -79,5 +75,5 @@ class GemmReduceScatterTemplate(Template):
         return why
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
-        return with_config(self._seed_text, comm_ctas=ds.comm_ctas, chunks=self.chunks_for(ds, shape, world_size),
+        return with_config(self.seed_text, comm_ctas=ds.comm_ctas, chunks=self.chunks_for(ds, shape, world_size),
                            overlap=ds.placement == "split", **ds.knob_dict)

@@ -26,7 +26,7 @@ from typing import Any
 from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
 from commweave.contracts.profile import H200
-from commweave.contracts.workload import Shape, Workload
+from commweave.contracts.workload import Shape
 
 KNOBS: dict[str, tuple[Any, ...]] = {
     # threads is the kernel's __launch_bounds__ (compiled in), so every value fits an SM
@@ -40,10 +40,6 @@ COMM_CTAS = (1, 2, 4, 8, 16, 32, 64, 96, H200.sms)  # the last: one per SM
 
 
 class KvTransferTemplate(Template):
-    def __init__(self, workload: Workload):
-        super().__init__(workload)
-        self._seed_text = workload.program_text(workload.seed)
-
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=1 << 20, chunk_bytes_max=1 << 30, comm_ctas=COMM_CTAS,
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
@@ -79,5 +75,5 @@ class KvTransferTemplate(Template):
         return dict(ctas=ds.comm_ctas, **ds.knob_dict)
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
-        return with_config(self._seed_text, **self.config_for(ds, shape))
+        return with_config(self.seed_text, **self.config_for(ds, shape))
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from commweave.contracts.program import with_config
 from commweave.space import Capabilities, DirectiveSet, Space, Template
-from commweave.contracts.workload import Shape, Workload
+from commweave.contracts.workload import Shape
 
 REGION = 64 << 20  # the chunk-bytes value that stands for "one flag per (source, destination)"
 
@@ -41,10 +41,6 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class MoETemplate(Template):
-    def __init__(self, workload: Workload):
-        super().__init__(workload)
-        self._seed_text = workload.program_text(workload.seed)
-
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=REGION, chunk_bytes_max=REGION, comm_ctas=COMM_CTAS,
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
@@ -67,5 +63,5 @@ class MoETemplate(Template):
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         compression = {"compression": ds.compression, "group_size": ds.group_size} if ds.compression != "none" else {}
-        return with_config(self._seed_text, comm_ctas=ds.comm_ctas, **compression, **ds.knob_dict)
+        return with_config(self.seed_text, comm_ctas=ds.comm_ctas, **compression, **ds.knob_dict)
 
