@@ -116,13 +116,19 @@ class _Job:
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
-    def abort_flag(self, name: str) -> Callable[[], bool]:
-        path = self.dir / f"abort-{name}"
+    def abort_flag(self, name: str, starting: bool = False) -> Callable[[], bool]:
+        """Whether a peer gave up on program `name`; `starting`: only because it failed to start
+        (what a rank still starting its own waits on: a fast peer's later verdict, e.g. unavailable,
+        must not read as a failed start)."""
+        path = self.dir / (f"abort-start-{name}" if starting else f"abort-{name}")
         return path.exists
 
-    def abort(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):  # rank 0 already removed the folder: the job is over
-            (self.dir / f"abort-{name}").touch()
+    def abort(self, name: str, starting: bool = False) -> None:
+        """Tell the peers' judges to stop waiting on program `name` (`starting`: it failed to start,
+        so peers still starting theirs stop too)."""
+        for flag in (f"abort-{name}", f"abort-start-{name}") if starting else (f"abort-{name}",):
+            with contextlib.suppress(FileNotFoundError):  # rank 0 already removed the folder: the job is over
+                (self.dir / flag).touch()
 
     def rendezvous(self, names: list[str]) -> dict[str, Path]:
         """A fresh folder per program, made by rank 0 and the same on every rank."""
@@ -142,7 +148,7 @@ class _Job:
                 program.await_ready()
         except ProgramStartError:
             for name, program in started.items():
-                self.abort(name)
+                self.abort(name, starting=True)
                 program.close(blame=False)
             raise
         self.add("start", time.perf_counter() - began)
@@ -179,7 +185,7 @@ class _Program:
         job.programs.append(self)
 
     def await_ready(self) -> None:
-        self.proc.await_ready(self.job.deadline, self.job.abort_flag(self.name))
+        self.proc.await_ready(self.job.deadline, self.job.abort_flag(self.name, starting=True))
 
     # -- verdicts ---------------------------------------------------------------------------------
     @property
