@@ -5,6 +5,7 @@
     y = down(F.gelu(up(x)))                              # an MLP block; backward included
 """
 
+from commweave.nn.attention import ContextParallelAttention
 from commweave.nn.linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "ContextParallelAttention", "RowParallelLinear"]

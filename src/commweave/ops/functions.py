@@ -18,11 +18,13 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from commweave.ops.exported import export_info
-from commweave.ops.groups import GroupLike, group_name
+from commweave.ops.groups import SINGLE, GroupLike, group_name
 from commweave.ops import runner
 from commweave.ops.runner import Op, ProgramSpec, op
+from commweave.workloads.attention_cp.ring import check_inputs as ring_check
 
 
 def _spec(program: ProgramSpec) -> str | None:
@@ -53,21 +55,76 @@ def gemm_reducescatter(a_local: torch.Tensor, b_local: torch.Tensor, program: Pr
     return torch.ops.commweave.gemm_reducescatter(a_local, b_local, group_name(group), _spec(program))
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                               program: ProgramSpec = None, group: GroupLike = None) -> torch.Tensor:
-    """Attention of this rank's queries over the keys and values of the whole sequence, which is
-    sharded over the W ranks (context parallelism, forward only, batch 1).
+LAYOUTS = ("contiguous", "zigzag")
 
-    q [S/W, Hq, D], k and v [S/W, Hkv, D], bf16, sequence-major (Hq a multiple of Hkv: grouped-
-    query attention). Full attention: rank r holds the contiguous block r. Causal: the zigzag
-    layout that balances work, the sequence cut in 2W chunks and rank r holding chunks r and
-    2W-1-r, in that order (`commweave.workloads.attention_cp.attention.shard_ranges` gives them).
-    Returns [S/W, Hq, D] bf16 for this rank's queries.
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                               program: ProgramSpec = None, group: GroupLike = None,
+                               layout: str | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the keys and values of the whole sequence, which is
+    sharded over the W ranks (context parallelism), with a backward.
+
+    q [B, S/W, Hq, D] (or [S/W, Hq, D]: batch 1), k and v [B, S/W, Hkv, D], sequence-major (Hq a
+    multiple of Hkv: grouped-query attention). `layout` (default zigzag when causal, else
+    contiguous): contiguous, rank r holds block r of W; zigzag balances causal work, the sequence
+    cut in 2W chunks and rank r holding chunks r and 2W-1-r, in that order
+    (`commweave.workloads.attention_cp.attention.shard_ranges` gives them). Returns q's shape.
+    Where q, k or v require grad (or the batch, or a layout the programs lack), the ring forward
+    keeps the LSE and the ring backward runs (`context_parallel_attention_lse`); otherwise
+    `program` runs (bf16, one call per sequence of the batch). In one process (no group) this is
+    SDPA on [B, H, S, D] views: its fused kernels, forward and backward.
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, not {causal!r}")
-    runner.no_backward("context_parallel_attention", {"q": q, "k": k, "v": v})
-    return torch.ops.commweave.context_parallel_attention(q, k, v, causal, group_name(group), _spec(program))
+    zigzag = layout_is_zigzag(layout, causal)
+    name = group_name(group)
+    if name == SINGLE:
+        return local_attention(q, k, v, causal)
+    return sharded_attention(q, k, v, causal, zigzag, name, program)
+
+
+def layout_is_zigzag(layout: str | None, causal: bool) -> bool:
+    """Whether `layout` (None: zigzag for causal, contiguous for full attention) is zigzag."""
+    if layout is None:
+        return causal
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', not {layout!r}")
+    return layout == "zigzag"
+
+
+def _batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as [B, S, H, D] (a 3-D [S, H, D] gets batch 1); a ValueError for other ranks."""
+    if not q.dim() == k.dim() == v.dim() or q.dim() not in (3, 4):
+        raise ValueError(f"q, k, v must all be [B, S/W, H, D] or all [S/W, H, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    return (q, k, v) if q.dim() == 4 else (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """One rank holds the whole sequence: SDPA on [B, H, S, D] views of the sequence-major tensors
+    (4-D, so its flash / efficient kernels run; GQA native), no copies; torch's own backward."""
+    qb, kb, vb = _batched(q, k, v)
+    ring_check(qb, kb, vb)
+    out = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                         is_causal=causal, enable_gqa=qb.shape[2] != kb.shape[2]).transpose(1, 2)
+    return out if q.dim() == 4 else out[0]
+
+
+def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, zigzag: bool, group: str,
+                      program: ProgramSpec = None) -> torch.Tensor:
+    """`context_parallel_attention` over the group named `group` (W >= 2, or a group of one)."""
+    qb, kb, vb = _batched(q, k, v)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if training and program is not None:
+        raise ValueError(f"program {os.fspath(program)!r} is forward-only; q, k or v require grad, so the ring "
+                         "forward and backward run: drop program= or call under torch.no_grad()")
+    if training or zigzag != causal:
+        out = torch.ops.commweave.context_parallel_attention_lse(qb, kb, vb, causal, zigzag, group)[0]
+        return out if q.dim() == 4 else out[0]
+    if q.dim() == 3:
+        return torch.ops.commweave.context_parallel_attention(q, k, v, causal, group, _spec(program))
+    return torch.stack([torch.ops.commweave.context_parallel_attention(qb[b], kb[b], vb[b], causal, group,
+                                                                       _spec(program)) for b in range(qb.shape[0])])
 
 
 def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,

@@ -1,10 +1,11 @@
 """The ops as `torch.library` custom ops in the `commweave` namespace: torch.compile sees each call
 as one opaque op with a fake (meta) implementation, so `fullgraph=True` compiles without graph
-breaks; autograd where a backward exists (the tensor-parallel pair); the group travels by name.
+breaks; autograd where a backward exists (the tensor-parallel pair, attention's `_lse` op); the group travels by name.
 
     torch.ops.commweave.gemm_allgather(a, b, group, program)           -> [M, N/W]
     torch.ops.commweave.gemm_reducescatter(a, b, group, program)       -> [M/W, N]
     torch.ops.commweave.context_parallel_attention(q, k, v, causal, group, program)
+    torch.ops.commweave.context_parallel_attention_lse(q, k, v, causal, zigzag, group) -> (out, lse)  (autograd)
     torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group, program)
     torch.ops.commweave.transfer_kv(kv, src_blocks, dst_blocks, cache!, group, program) (cache written)
     torch.ops.commweave.call(workload, program, group, names, inputs, options) / call_out(..., out!)
@@ -31,6 +32,8 @@ from torch import Tensor
 from commweave.contracts.workload import check_matmul_operands
 from commweave.ops import runner
 from commweave.ops.groups import group_rank, group_size, process_group
+from commweave.workloads.attention_cp.ring import check_inputs as check_attention_inputs
+from commweave.workloads.attention_cp.ring import ring_backward, ring_forward
 
 GEMM_RS = "gemm-reducescatter"  # the workload gemm_reducescatter runs where it is registered
 
@@ -166,6 +169,53 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, gr
 @context_parallel_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str, program: Optional[str]) -> Tensor:
     return q.new_empty(q.shape)
+
+
+# -- context_parallel_attention_lse: the differentiable attention (ring forward and backward) ------
+def _group_or_none(group: str) -> Optional[dist.ProcessGroup]:
+    return None if group_size(group) == 1 else process_group(group)
+
+
+@torch.library.custom_op("commweave::context_parallel_attention_lse", mutates_args=())
+def context_parallel_attention_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool, zigzag: bool,
+                                   group: str) -> tuple[Tensor, Tensor]:
+    return ring_forward(q, k, v, causal, zigzag, _group_or_none(group))
+
+
+@context_parallel_attention_lse.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, zigzag: bool, group: str) -> tuple[Tensor, Tensor]:
+    check_attention_inputs(q, k, v)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("commweave::context_parallel_attention_backward", mutates_args=())
+def context_parallel_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                        causal: bool, zigzag: bool, group: str) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, causal, zigzag, _group_or_none(group))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@context_parallel_attention_backward.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, zigzag: bool,
+      group: str) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_attention(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, ctx.causal, ctx.zigzag, ctx.group = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attention_backward(ctx: Any, dout: Tensor, _: Optional[Tensor]) -> tuple:
+    """dq, dk, dv by the ring backward (the LSE output carries no gradient)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.commweave.context_parallel_attention_backward(dout.contiguous(), q, k, v, out, lse,
+                                                                        ctx.causal, ctx.zigzag, ctx.group)
+    return dq, dk, dv, None, None, None
+
+
+context_parallel_attention_lse.register_autograd(_attention_backward, setup_context=_save_attention)
 
 
 @torch.library.custom_op("commweave::moe_layer", mutates_args=())

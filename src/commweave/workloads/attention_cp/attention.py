@@ -8,6 +8,7 @@ the softmax denominator, scores already scaled).
 - `shard_ranges`: which global positions a rank holds (contiguous, or zigzag for causal).
 - `block_kind`: how a block of queries sees a block of keys under the causal mask.
 - `attention_with_lse`: one block's attention and its LSE (plain torch, or torch's flash kernel).
+- `attention_backward_block`: one block's dq, dk, dv from the queries' global output and LSE.
 - `merge_partials`: the online-softmax merge of two partial results by their LSEs.
 - `chunked_attention`: exact fp32 attention at arbitrary positions, in blocks (the reference).
 """
@@ -135,6 +136,77 @@ def pick_backend(q: torch.Tensor) -> str:
         return "torch"
     d = q.shape[-1]
     return "cudnn" if torch.backends.cudnn.is_available() and d % 8 == 0 and d <= 128 else "flash"
+
+
+# -- one block's backward, the softmax recomputed from the rows' global log-sum-exp --------------
+def attention_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool = False, scale: float | None = None,
+                             backend: str = "auto", q_block: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients one block of keys contributes: (dq [Sq, Hq, D], dk, dv [Sk, Hkv, D]), float32.
+
+    `out` [Sq, Hq, D] and `lse` [Sq, Hq] are the queries' final output and log-sum-exp over *every*
+    key they see (not this block's), so P = exp(scale q k^T - lse) is this block's share of the
+    global softmax and the blocks' gradients simply add up (dq summed over key blocks, dk and dv
+    over query blocks): dV = P^T dO, dS = P (dO V^T - rowsum(dO * out)), dQ = scale dS K,
+    dK = scale dS^T Q. GQA: a KV head's dk, dv sum over its query heads.
+    backend 'torch': float32 math in tiles of `q_block` queries (memory q_block * Sk * Hq floats;
+    no Sq x Sk tensor). 'flash': torch's flash backward kernel (CUDA half precision; K/V repeated
+    per query head for GQA, their gradients summed back). 'auto': flash on CUDA half tensors.
+    """
+    group = _check_qkv(q, k, v)
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must be q's shape {tuple(q.shape)} "
+                         f"and lse {tuple(lse.shape)} its [Sq, Hq]")
+    if causal and q.shape[0] != k.shape[0]:
+        raise ValueError(f"a causal block must be square, got {q.shape[0]} queries and {k.shape[0]} keys")
+    if q_block <= 0:
+        raise ValueError(f"q_block must be positive, got {q_block}")
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    if backend == "auto":
+        backend = "flash" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "torch"
+    if backend == "flash":
+        return _flash_backward_block(dout, q, k, v, out, lse, causal, scale, group)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'auto', 'torch' or 'flash', not {backend!r}")
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[0], k.shape[1]
+    kf, vf = k.float(), v.float()
+    dq = torch.empty(sq, hq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(sk, hkv, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(sk, hkv, d, dtype=torch.float32, device=q.device)
+    for r0 in range(0, sq, q_block):
+        r1 = min(sq, r0 + q_block)
+        qs = q[r0:r1].float().reshape(r1 - r0, hkv, group, d)
+        do = dout[r0:r1].float().reshape(r1 - r0, hkv, group, d)
+        rows = lse[r0:r1].float().reshape(r1 - r0, hkv, group).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, g, q, 1]
+        delta = (do * out[r0:r1].float().reshape(r1 - r0, hkv, group, d)).sum(-1).permute(1, 2, 0).unsqueeze(-1)
+        scores = torch.einsum("qhgd,khd->hgqk", qs, kf) * scale
+        if causal:
+            seen = torch.arange(r0, r1, device=q.device).view(-1, 1) >= torch.arange(sk, device=q.device).view(1, -1)
+            scores.masked_fill_(~seen, NEG_INF)
+        probs = torch.exp(scores - torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows)))
+        dv += torch.einsum("hgqk,qhgd->khd", probs, do)
+        dscores = probs * (torch.einsum("qhgd,khd->hgqk", do, vf) - delta)
+        dq[r0:r1] = (torch.einsum("hgqk,khd->qhgd", dscores, kf) * scale).reshape(r1 - r0, hq, d)
+        dk += torch.einsum("hgqk,qhgd->khd", dscores, qs) * scale
+    return dq, dk, dv
+
+
+def _flash_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, causal: bool, scale: float,
+                          group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention_backward_block` by torch's flash backward kernel on [1, H, S, D] views."""
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qh, kh, vh, oh, dh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out.to(q.dtype), dout.to(q.dtype)))
+    lse_h = lse.float().transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, Sq], as the flash forward returns it
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dh, qh, kh, vh, oh, lse_h, None, None, q.shape[0], k.shape[0], 0.0, causal, no_rng, no_rng, scale=scale)
+    dq, dk, dv = (t[0].transpose(0, 1).float() for t in (dq, dk, dv))
+    if group > 1:
+        dk, dv = (t.reshape(t.shape[0], -1, group, t.shape[2]).sum(2) for t in (dk, dv))
+    return dq, dk, dv
 
 
 # -- merging partial results ----------------------------------------------------------------------

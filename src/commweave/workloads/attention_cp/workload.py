@@ -165,10 +165,11 @@ class AttentionCP(Workload):
                              f"{tuple(v.shape)}")
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-        qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))  # [H, S, D]
+        # [1, H, S, D] views: 4-D, so SDPA's fused kernels run (3-D inputs fall back to its math kernel)
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         res = F.scaled_dot_product_attention(qh, kh, vh, is_causal=bool(options.get("causal", False)),
                                              enable_gqa=q.shape[1] != k.shape[1])
-        return res.transpose(0, 1).contiguous()
+        return res[0].transpose(0, 1).contiguous()
 
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None, causal: bool = False) -> Shape:
