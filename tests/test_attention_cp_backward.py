@@ -141,3 +141,28 @@ def test_training_step_compiles_fullgraph(pool: WorkerPool) -> None:
     for value in result.values:
         assert value["graphs"] == [["commweave.context_parallel_attention_lse"]], value["graphs"]
         assert max(value["compiled_vs_eager"].values()) < 1e-6, value["compiled_vs_eager"]
+
+
+def test_training_step_timings(pool: WorkerPool) -> None:
+    """`commweave bench`'s training-step job: every timing positive on every rank, the step's FLOPs
+    3.5x the forward's; the table's row takes the slowest rank and, on GPUs, the floor."""
+    from commweave.ops.train_bench import attention_step_times
+    from commweave.report.train import train_rows
+    from commweave.workloads import get_workload
+
+    if pool.world_size != 2:
+        pytest.skip("timed once, at W = 2")
+    label = "s64-q4kv2-d16-causal"
+    result = pool.run(attention_step_times, shape_text=label, iters=2, warmup=1)
+    assert result.ok, result.first_failure()
+    wl = get_workload("attention-cp")
+    flops = wl.ideal_flops(wl.parse_shape(label, 2), 2, 0)
+    for value in result.values:
+        assert set(value) == {"forward", "ring_forward", "train", "train_flops"}, "no torch_cp step on CPU"
+        assert min(value.values()) > 0 and value["train_flops"] == 3.5 * flops
+    ranks = [{"forward": 1.0, "ring_forward": 2.0, "train": 5.0, "train_flops": 7.9e12},
+             {"forward": 3.0, "ring_forward": 1.0, "train": 4.0, "train_flops": 7.9e12}]
+    row = train_rows({label: ranks}, on_gpus=True)[0]
+    assert row == {"shape": label, "forward": 3.0, "ring_forward": 2.0, "train": 5.0,
+                   "train_floor": pytest.approx(10.0), "train_over_floor": pytest.approx(0.5)}
+    assert train_rows({label: ranks}, on_gpus=False)[0]["train_floor"] is None

@@ -299,6 +299,7 @@ def bench(
             report = bench_workload(pool, wl, chosen, programs, yardsticks=list(wl.yardsticks), iters=iters,
                                     warmup=warmup, seeds=seeds, job_timeout_s=job_timeout,
                                     meta={"candidate": str(candidate) if candidate else None}, progress=show)
+            trained = _train_steps(pool, wl.name, chosen, iters, warmup, device, out_dir)
     except (PoolStartError, EvaluationError) as exc:
         _fail(str(exc))
     path = write_results(f"bench-{wl.name}-{gpus}gpu", report.to_json(), out_dir=out_dir,
@@ -307,6 +308,31 @@ def bench(
     for line in notes(report):
         console.print(line, highlight=False, markup=False)
     console.print(f"results: {path}", highlight=False)
+    if trained is not None:
+        console.print(trained[0])
+        console.print(f"training results: {trained[1]}", highlight=False)
+
+
+def _train_steps(pool: Any, workload: str, shapes: list, iters: int, warmup: int, device: str,
+                 out_dir: Path) -> tuple[Table, Path] | None:
+    """A workload with a backward: its training step timed per shape (`commweave.ops.train_bench`),
+    as a table and the JSON written; None for the others."""
+    from commweave.contracts.verdict import EvaluationError
+    from commweave.ops.train_bench import STEPS
+    from commweave.report.results import write_results
+    from commweave.report.train import train_rows, train_table
+
+    if workload not in STEPS:
+        return None
+    per_shape = {}
+    for shape in shapes:
+        result = pool.run(STEPS[workload], shape_text=shape.label, iters=iters, warmup=warmup)
+        if not result.ok:
+            raise EvaluationError(f"the training step of {workload} on {shape.label} failed: {result.first_failure()}")
+        per_shape[shape.label] = result.values
+    rows = train_rows(per_shape, on_gpus=device == "cuda")
+    path = write_results(f"bench-train-{workload}-{pool.world_size}gpu", {"rows": rows}, out_dir=out_dir)
+    return train_table(rows), path
 
 
 # -- the slow path: evolve, report, export -------------------------------------------------------
