@@ -1,6 +1,6 @@
 """Context-parallel attention's backward on one GPU (`-m gpu`; needs 1 CUDA GPU, no process group):
-the flash block backward (the global out and LSE handed to torch's flash backward kernel, K/V
-repeated for GQA) against the float32 block math, the ring forward and backward at W = 1 and the
+the fused block backward (the global out and LSE handed to cuDNN's backward kernel, GQA native,
+or torch's flash backward kernel, K/V repeated for GQA) against the float32 block math, the ring forward and backward at W = 1 and the
 module at W = 1 against float32 autograd, the module's W = 1 path running SDPA's flash kernel."""
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ def _cuda(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.cuda() for t in tensors]
 
 
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads,dim", [((8, 2), 128), ((4, 4), 64), ((8, 2), 40)])
-def test_flash_block_backward_matches_float32(causal: bool, heads: tuple[int, int], dim: int) -> None:
+def test_fused_block_backward_matches_float32(backend: str, causal: bool, heads: tuple[int, int], dim: int) -> None:
     q, k, v, g = _cuda(*full_data(1, 256, heads[0], heads[1], dim))
     out, lse = ring_forward(q, k, v, causal, False, None)
     want = attention_backward_block(g[0], q[0], k[0], v[0], out[0], lse[0], causal=causal, backend="torch")
-    got = attention_backward_block(g[0].bfloat16(), q[0], k[0], v[0], out[0], lse[0], causal=causal, backend="flash")
+    got = attention_backward_block(g[0].bfloat16(), q[0], k[0], v[0], out[0], lse[0], causal=causal, backend=backend)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == torch.float32 and a.shape == b.shape
         assert _rel(a, b) < TOLERANCE, name

@@ -150,8 +150,9 @@ def attention_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     over query blocks): dV = P^T dO, dS = P (dO V^T - rowsum(dO * out)), dQ = scale dS K,
     dK = scale dS^T Q. GQA: a KV head's dk, dv sum over its query heads.
     backend 'torch': float32 math in tiles of `q_block` queries (memory q_block * Sk * Hq floats;
-    no Sq x Sk tensor). 'flash': torch's flash backward kernel (CUDA half precision; K/V repeated
-    per query head for GQA, their gradients summed back). 'auto': flash on CUDA half tensors.
+    no Sq x Sk tensor). 'cudnn': cuDNN's fused backward (what SDPA runs on Hopper; GQA native).
+    'flash': torch's flash backward kernel (K/V repeated per query head for GQA, their gradients
+    summed back). 'auto': `pick_backend` (cudnn, else flash on CUDA half tensors, else torch).
     """
     group = _check_qkv(q, k, v)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:2]:
@@ -163,11 +164,11 @@ def attention_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         raise ValueError(f"q_block must be positive, got {q_block}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     if backend == "auto":
-        backend = "flash" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "torch"
-    if backend == "flash":
-        return _flash_backward_block(dout, q, k, v, out, lse, causal, scale, group)
+        backend = pick_backend(q)
+    if backend in ("flash", "cudnn"):
+        return _fused_backward_block(dout, q, k, v, out, lse, causal, scale, group, backend)
     if backend != "torch":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'flash', not {backend!r}")
+        raise ValueError(f"backend must be 'auto', 'torch', 'cudnn' or 'flash', not {backend!r}")
     sq, hq, d = q.shape
     sk, hkv = k.shape[0], k.shape[1]
     kf, vf = k.float(), v.float()
@@ -192,19 +193,24 @@ def attention_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return dq, dk, dv
 
 
-def _flash_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, causal: bool, scale: float,
-                          group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`attention_backward_block` by torch's flash backward kernel on [1, H, S, D] views."""
-    if group > 1:
+def _fused_backward_block(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, causal: bool, scale: float, group: int,
+                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention_backward_block` by cuDNN's or torch's flash backward kernel on [1, H, S, D] views."""
+    if group > 1 and backend == "flash":
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     qh, kh, vh, oh, dh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out.to(q.dtype), dout.to(q.dtype)))
-    lse_h = lse.float().transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, Sq], as the flash forward returns it
+    lse_h = lse.float().transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, Sq], as the forward kernels return it
     no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dh, qh, kh, vh, oh, lse_h, None, None, q.shape[0], k.shape[0], 0.0, causal, no_rng, no_rng, scale=scale)
+    if backend == "cudnn":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dh, qh, kh, vh, oh, lse_h.unsqueeze(-1), no_rng, no_rng, None, None, None, q.shape[0], k.shape[0], 0.0,
+            causal, scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dh, qh, kh, vh, oh, lse_h, None, None, q.shape[0], k.shape[0], 0.0, causal, no_rng, no_rng, scale=scale)
     dq, dk, dv = (t[0].transpose(0, 1).float() for t in (dq, dk, dv))
-    if group > 1:
+    if group > 1 and backend == "flash":
         dk, dv = (t.reshape(t.shape[0], -1, group, t.shape[2]).sum(2) for t in (dk, dv))
     return dq, dk, dv
 
