@@ -136,7 +136,8 @@ def main() -> None:
               f" / sdpa on views: fwd {run['module_vs_sdpa_views']['fwd']:.3f}x,"
               f" train {run['module_vs_sdpa_views']['train']:.3f}x;"
               f" flash only: train {run['module_flash_only_vs_flash']['train']:.3f}x;"
-              f" ring op / sdpa: fwd {run['ring_op_vs_sdpa']['fwd']:.3f}x, train {run['ring_op_vs_sdpa']['train']:.3f}x")
+              f" ring op / sdpa: fwd {run['ring_op_vs_sdpa']['fwd']:.3f}x,"
+              f" train {run['ring_op_vs_sdpa']['train']:.3f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"attention-cp-w1-1gpu-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps(result, indent=1))

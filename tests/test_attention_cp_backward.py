@@ -166,3 +166,13 @@ def test_training_step_timings(pool: WorkerPool) -> None:
     assert row == {"shape": label, "forward": 3.0, "ring_forward": 2.0, "train": 5.0,
                    "train_floor": pytest.approx(10.0), "train_over_floor": pytest.approx(0.5)}
     assert train_rows({label: ranks}, on_gpus=False)[0]["train_floor"] is None
+
+
+def test_the_forward_only_op_points_to_the_differentiable_one() -> None:
+    q, k, v, _ = full_data(1, 8, 4, 2, 8)
+    out = torch.ops.commweave.context_parallel_attention(q[0].requires_grad_(), k[0], v[0], True, "", None)
+    with pytest.raises(RuntimeError, match="train through commweave.ops.context_parallel_attention or "
+                                           "commweave.nn.ContextParallelAttention"):
+        out.sum().backward()
+    with pytest.raises(ValueError, match="neither a program of attention-cp"):
+        ops.context_parallel_attention(q, k, v, causal=True, program="no_such_program")

@@ -79,6 +79,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     zigzag = layout_is_zigzag(layout, causal)
     name = group_name(group)
     if name == SINGLE:
+        if program is not None:
+            op("attention-cp", program)  # a wrong name fails alike on any W
         return local_attention(q, k, v, causal)
     return sharded_attention(q, k, v, causal, zigzag, name, program)
 
@@ -118,6 +120,9 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if training and program is not None:
         raise ValueError(f"program {os.fspath(program)!r} is forward-only; q, k or v require grad, so the ring "
                          "forward and backward run: drop program= or call under torch.no_grad()")
+    if zigzag != causal and program is not None:
+        raise ValueError(f"program {os.fspath(program)!r} runs zigzag causal or contiguous full attention, not "
+                         f"{'zigzag' if zigzag else 'contiguous'} {'causal' if causal else 'full'}: drop program=")
     if training or zigzag != causal:
         out = torch.ops.commweave.context_parallel_attention_lse(qb, kb, vb, causal, zigzag, group)[0]
         return out if q.dim() == 4 else out[0]

@@ -1,6 +1,7 @@
 """The ops as `torch.library` custom ops in the `commweave` namespace: torch.compile sees each call
 as one opaque op with a fake (meta) implementation, so `fullgraph=True` compiles without graph
-breaks; autograd where a backward exists (the tensor-parallel pair, attention's `_lse` op); the group travels by name.
+breaks; autograd where a backward exists (the tensor-parallel pair, attention's `_lse` op); the
+group travels by name.
 
     torch.ops.commweave.gemm_allgather(a, b, group, program)           -> [M, N/W]
     torch.ops.commweave.gemm_reducescatter(a, b, group, program)       -> [M/W, N]
@@ -171,6 +172,15 @@ def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str, program: Option
     return q.new_empty(q.shape)
 
 
+def _no_attention_backward(ctx: Any, grad: Tensor) -> tuple:
+    raise RuntimeError("torch.ops.commweave.context_parallel_attention runs forward-only programs: train through "
+                       "commweave.ops.context_parallel_attention or commweave.nn.ContextParallelAttention (the op "
+                       "context_parallel_attention_lse, which has a backward)")
+
+
+context_parallel_attention.register_autograd(_no_attention_backward)
+
+
 # -- context_parallel_attention_lse: the differentiable attention (ring forward and backward) ------
 def _group_or_none(group: str) -> Optional[dist.ProcessGroup]:
     return None if group_size(group) == 1 else process_group(group)
@@ -249,7 +259,7 @@ def _(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tenso
     return None
 
 
-for _op, _name in ((context_parallel_attention, "context_parallel_attention"), (moe_layer, "moe_layer")):
+for _op, _name in ((moe_layer, "moe_layer"),):
     _op.register_autograd(_raise_no_backward(_name))
 
 
