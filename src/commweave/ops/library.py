@@ -51,6 +51,16 @@ def _waited(t: Tensor, group: str) -> Tensor:
     return t if group_size(group) == 1 else torch.ops._c10d_functional.wait_tensor(t)
 
 
+def _product_like(b: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """left @ right, the gradient of `b`, laid out as `b` is: where b is the transpose of a
+    row-major matrix (a layer passes weight.t()), as (right^T @ left^T)^T, the same GEMM, so the
+    gradient reaches that weight row-major and autograd does not copy it into the weight's layout
+    (a transposing copy of the whole weight, per weight and step)."""
+    if b.shape[1] > 1 and b.stride(0) == 1 and b.stride(1) >= b.shape[0]:
+        return (right.t() @ left.t()).t()
+    return left @ right
+
+
 @functools.cache
 def _registered(workload: str) -> bool:
     from commweave.workloads import registry
@@ -88,9 +98,9 @@ def _gemm_allgather_backward(ctx: Any, grad: Tensor) -> tuple:
     grad_a = grad_b = None
     pending = _all_gather_rows(a, ctx.group, wait=False) if ctx.needs_input_grad[1] else None
     if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t().contiguous(), ctx.group, None)
+        grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t(), ctx.group, None)
     if pending is not None:
-        grad_b = _waited(pending, ctx.group).t() @ grad
+        grad_b = _product_like(b, _waited(pending, ctx.group).t(), grad)
     return grad_a, grad_b, None, None
 
 
@@ -138,10 +148,10 @@ def _gemm_reducescatter_backward(ctx: Any, grad: Tensor) -> tuple:
     a, b = ctx.saved_tensors
     grad = grad.contiguous()
     if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
-        return torch.ops.commweave.gemm_allgather(grad, b.t().contiguous(), ctx.group, None), None, None, None
+        return torch.ops.commweave.gemm_allgather(grad, b.t(), ctx.group, None), None, None, None
     gathered = _all_gather_rows(grad, ctx.group)
     grad_a = gathered @ b.t() if ctx.needs_input_grad[0] else None
-    return grad_a, a.t() @ gathered, None, None
+    return grad_a, _product_like(b, a.t(), gathered), None, None
 
 
 gemm_reducescatter.register_autograd(_gemm_reducescatter_backward, setup_context=_save_ab)
