@@ -6,5 +6,6 @@
 """
 
 from commweave.nn.linear import ColumnParallelLinear, RowParallelLinear
+from commweave.nn.moe import ExpertParallelMoE  # expert-parallel MoE layer (nn/moe.py)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "ExpertParallelMoE", "RowParallelLinear"]
