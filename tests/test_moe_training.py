@@ -6,6 +6,8 @@ registrations (opcheck), and the errors. GPU (1 GPU): the same at W = 1 on CUDA.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,3 +117,44 @@ def test_moe_training_errors() -> None:
     layer = ExpertParallelMoE(HIDDEN, INTER, 4)
     with pytest.raises(ValueError, match=r"full weights are w13 \[4, 32, 32\] and w2 \[4, 32, 16\]"):
         layer.load_full(w13[:2], w2)
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="runs without a process group")
+def test_one_rank_does_the_work_of_a_local_moe() -> None:
+    """At W = 1, forward + backward: the same grouped GEMMs as a plain local MoE under torch
+    autograd (the workload's single_rank: sort, gather, grouped GEMMs, weighted sum) and no more
+    copying (the CPU profiler records every aten op, nested ones included, with its shapes)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from commweave.workloads import get_workload
+
+    x, idx, w, w13, w2, _ = _train_args()
+    grad = torch.randn_like(x)
+    layer = ExpertParallelMoE(HIDDEN, INTER, 4)
+    layer.load_full(w13, w2)
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+    local = get_workload("moe").single_rank
+
+    def work(step) -> Counter:
+        """aten ops by name, and "copied": the elements every aten::copy_ wrote."""
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+        counts = Counter(e.name for e in prof.events())
+        counts["copied"] = sum(math.prod(e.input_shapes[0]) for e in prof.events() if e.name == "aten::copy_")
+        return counts
+
+    def ours() -> None:
+        layer(leaves[0], idx, leaves[1]).backward(grad)
+
+    def plain() -> None:
+        local(dict(zip(("x", "topk_idx", "topk_weights", "w13", "w2"), (leaves[0], idx, *leaves[1:])))).backward(grad)
+
+    mine, theirs = work(ours), work(plain)
+    assert mine["aten::_grouped_mm"] == theirs["aten::_grouped_mm"] == 6, (mine, theirs)
+    # CPU elementwise ops copy a bf16 operand to fp32 before a mixed-dtype product (CUDA casts
+    # inside the kernel): the weights' gradient's product with the bf16 pair outputs costs one
+    # [T, K, H] copy here that autograd avoids by keeping an fp32 copy of them from forward
+    assert 0 < mine["copied"] <= theirs["copied"] + x.shape[0] * idx.shape[1] * x.shape[1], (mine, theirs)
+    assert mine["aten::mm"] == theirs["aten::mm"]  # the CPU grouped GEMM: one GEMM per group

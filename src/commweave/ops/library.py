@@ -201,7 +201,7 @@ MOE = "moe"
 
 @torch.library.custom_op("commweave::moe_layer_train", mutates_args=())
 def moe_layer_train(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                    group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, *saved): moe_layer's output by the host all-to-all exchange (none on one rank) and the
     tensors its backward needs (`workloads.moe.training.Saved`, static shapes)."""
     inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
@@ -215,12 +215,13 @@ def _moe_group(group: str) -> Optional[dist.ProcessGroup]:
 
 @moe_layer_train.register_fake
 def _(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-      group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+      group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     world = group_size(group)
     pairs, (per_rank, two_i, hidden) = topk_idx.numel(), w13.shape
     rows = world * pairs  # the expert side's bound: no source sends more than its T*K pairs
     return (x.new_empty(x.shape), x.new_empty(pairs, hidden), x.new_empty(rows, hidden), x.new_empty(rows, two_i),
-            x.new_empty(rows, two_i // 2), topk_idx.new_empty(per_rank * world))
+            x.new_empty(rows, two_i // 2), topk_idx.new_empty(pairs), topk_idx.new_empty(per_rank * world),
+            topk_idx.new_empty(per_rank * world))
 
 
 def _save_moe(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -245,17 +246,17 @@ moe_layer_train.register_autograd(_moe_layer_backward, setup_context=_save_moe)
 
 @torch.library.custom_op("commweave::moe_layer_backward", mutates_args=())
 def moe_layer_backward(grad: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                       pair_outputs: Tensor, rows: Tensor, gate_up: Tensor, hidden: Tensor, recv_counts: Tensor,
-                       group: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       pair_outputs: Tensor, rows: Tensor, gate_up: Tensor, hidden: Tensor, order: Tensor,
+                       counts: Tensor, recv_counts: Tensor, group: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_topk_weights, grad_w13, grad_w2) of moe_layer_train's output gradient."""
     inputs = {"topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
-    return runner.op(MOE).workload.train_backward(grad, inputs, (pair_outputs, rows, gate_up, hidden, recv_counts),
-                                                  _moe_group(group))
+    saved = (pair_outputs, rows, gate_up, hidden, order, counts, recv_counts)
+    return runner.op(MOE).workload.train_backward(grad, inputs, saved, _moe_group(group))
 
 
 @moe_layer_backward.register_fake
 def _(grad: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, pair_outputs: Tensor,
-      rows: Tensor, gate_up: Tensor, hidden: Tensor, recv_counts: Tensor,
+      rows: Tensor, gate_up: Tensor, hidden: Tensor, order: Tensor, counts: Tensor, recv_counts: Tensor,
       group: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return grad.new_empty(grad.shape), topk_weights.new_empty(topk_weights.shape), w13.new_empty(w13.shape), \
         w2.new_empty(w2.shape)

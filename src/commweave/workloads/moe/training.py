@@ -16,7 +16,9 @@ rank received) are valid; on one rank that bound is exact. Nothing is recomputed
 
 Per rank the non-communication work is a local MoE's under autograd: one row gather, the two
 grouped GEMMs, SiLU * up and the weighted sum forward; the same four grouped GEMMs, the SiLU
-backward, the weighted-sum backward and one scatter-add backward.
+backward, the weighted-sum backward and one scatter-add backward. The one difference: SiLU(gate)
+is recomputed in backward (one elementwise pass over N x I) rather than kept, which saves N x I
+values a layer.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class Saved:
     rows: Tensor  # [R, H] the received token rows, grouped by local expert (first N valid)
     gate_up: Tensor  # [R, 2I] rows @ w13^T
     hidden: Tensor  # [R, I] SiLU(gate) * up
+    order: Tensor  # [T*K] int64: pair ids t*K + k sorted (stably) by expert id
+    counts: Tensor  # [E] int64: this rank's pairs per expert
     recv_counts: Tensor  # [E] int64: recv_counts[s * E/W + e] = rows source s sent to local expert e
 
     def as_tuple(self) -> tuple[Tensor, ...]:
-        return self.pair_outputs, self.rows, self.gate_up, self.hidden, self.recv_counts
+        return self.pair_outputs, self.rows, self.gate_up, self.hidden, self.order, self.counts, self.recv_counts
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,13 @@ class Layout:
     rows: int  # N: rows received
 
 
-def _layout(idx: Tensor, counts: Tensor, recv_counts: Tensor, world: int, per_rank: int) -> Layout:
+def _layout(order: Tensor, counts: Tensor, recv_counts: Tensor, world: int, per_rank: int) -> Layout:
     """The exchange plan. The split sizes come to the host, as all_to_all_single needs them."""
-    order = torch.sort(idx.reshape(-1), stable=True).indices
     recv_matrix = recv_counts.view(world, per_rank)
     ends = recv_matrix.sum(0).cumsum(0).to(torch.int32)
     if world == 1:
-        return Layout(order, [], [], None, ends, idx.numel())
-    local_expert = torch.repeat_interleave(torch.arange(per_rank, device=idx.device).repeat(world),
+        return Layout(order, [], [], None, ends, order.numel())
+    local_expert = torch.repeat_interleave(torch.arange(per_rank, device=order.device).repeat(world),
                                            recv_matrix.reshape(-1))
     recv_splits = recv_matrix.sum(1).tolist()
     return Layout(order, counts.view(world, per_rank).sum(1).tolist(), recv_splits,
@@ -98,8 +101,10 @@ def _to_tokens(expert_rows: Tensor, layout: Layout, group: dist.ProcessGroup | N
 
 
 def _recv_counts(counts: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Rows each source sends to each local expert [E]; on one rank the counts themselves (a copy
+    of E integers: the custom op returns both, and its outputs may not alias)."""
     if group is None:
-        return counts
+        return counts.clone()
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     return received
@@ -113,9 +118,10 @@ def forward(x: Tensor, idx: Tensor, weights: Tensor, w13: Tensor, w2: Tensor,
     tokens, top_k = idx.shape
     per_rank, inter = w13.shape[0], w13.shape[1] // 2
     flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
     counts = torch.zeros(per_rank * world, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     recv_counts = _recv_counts(counts, group)
-    layout = _layout(idx, counts, recv_counts, world, per_rank)
+    layout = _layout(order, counts, recv_counts, world, per_rank)
     bound = world * tokens * top_k
     rows = _to_experts(x.index_select(0, layout.order // top_k), layout, bound, group)
     gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=layout.ends)
@@ -125,8 +131,8 @@ def forward(x: Tensor, idx: Tensor, weights: Tensor, w13: Tensor, w2: Tensor,
     results = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=layout.ends)
     pair_outputs = x.new_empty(tokens * top_k, x.shape[1])
     pair_outputs.index_copy_(0, layout.order, _to_tokens(results, layout, group))
-    out = (pair_outputs.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
-    return out, Saved(pair_outputs, rows, gate_up, hidden, recv_counts)
+    out = (pair_outputs.view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # fp32 products
+    return out, Saved(pair_outputs, rows, gate_up, hidden, order, counts, recv_counts)
 
 
 def backward(grad: Tensor, idx: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, saved: Saved,
@@ -136,12 +142,10 @@ def backward(grad: Tensor, idx: Tensor, weights: Tensor, w13: Tensor, w2: Tensor
     world = 1 if group is None else group.size()
     tokens, top_k = idx.shape
     per_rank, inter = w13.shape[0], w13.shape[1] // 2
-    flat = idx.reshape(-1)
-    counts = torch.zeros(per_rank * world, dtype=torch.int64, device=grad.device).scatter_add_(0, flat, torch.ones_like(flat))
-    layout = _layout(idx, counts, saved.recv_counts, world, per_rank)
+    layout = _layout(saved.order, saved.counts, saved.recv_counts, world, per_rank)
     grad32 = grad.float().unsqueeze(1)  # [T, 1, H]
     pairs = saved.pair_outputs.view(tokens, top_k, -1)
-    grad_weights = (grad32 * pairs.float()).sum(-1)
+    grad_weights = (grad32 * pairs).sum(-1)  # promoted to fp32 inside the product: no fp32 copy of pairs
     grad_pairs = (grad32 * weights.unsqueeze(-1)).to(grad.dtype).view(tokens * top_k, -1)
     # the combine's backward: a dispatch of the pairs' output gradients to the experts' rows
     grad_results = _to_experts(grad_pairs.index_select(0, layout.order), layout, saved.rows.shape[0], group)
