@@ -88,3 +88,18 @@ def moe_training(ctx, experts: int, compiled: bool = False, compiler: str = "aot
         result["compiled_errors"] = {k: _rel(fast[k], want[k]) for k in want}
         result["compiled_vs_eager"] = {k: _rel(fast[k], eager[k]) for k in want}
     return result
+
+
+def train_yardstick(ctx, seed: int = 3) -> dict:
+    """The moe workload's `train_host` yardstick (the host program's training step) run as the
+    bench runs a program, on the first check shape: its output's error against the reference."""
+    from commweave.contracts.program import load_program
+    from commweave.workloads import get_workload
+
+    wl = get_workload("moe")
+    shape = wl.check_shapes(ctx.world_size)[0]
+    inputs = wl.make_inputs(shape, ctx.world_size, ctx.rank, seed, ctx.device)
+    module = load_program(wl.yardstick_text("train_host"), "train_host")
+    out = wl.make_output(shape, ctx.world_size, ctx.rank, ctx.device)
+    module.run(ctx, module.setup(ctx, shape), inputs, out)
+    return {"error": _rel(out, wl.reference(shape, ctx.world_size, ctx.rank, seed, ctx.device))}

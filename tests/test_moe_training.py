@@ -45,16 +45,19 @@ def test_moe_training_matches_one_float32_autograd(pool: WorkerPool) -> None:
                                    "w13": "torch.bfloat16", "w2": "torch.bfloat16"}, value
 
 
-def test_moe_training_compiles_fullgraph(pool: WorkerPool) -> None:
+@pytest.mark.parametrize("compiler,close", [("aot_eager", 1e-6), ("inductor", 1e-2)])
+def test_moe_training_compiles_fullgraph(pool: WorkerPool, compiler: str, close: float) -> None:
+    """aot_eager: dynamo's and AOTAutograd's graphs run as traced, eager's numbers; inductor also
+    generates the glue's kernels (the routing weights' products), so it may round differently."""
     if pool.world_size != 2:
         pytest.skip("compiled at W = 2 only: compiling costs CPU time")
-    result = pool.run("moe_jobs:moe_training", experts=8, compiled=True)
+    result = pool.run("moe_jobs:moe_training", experts=8, compiled=True, compiler=compiler)
     assert result.ok, result.first_failure()
     _check(result.values, "compiled_errors")
     for rank, value in enumerate(result.values):
         assert value["graphs"] == [["commweave.moe_layer_train"]], value
         for what, diff in value["compiled_vs_eager"].items():
-            assert diff <= 1e-6, f"rank {rank}: compiled {what} differs from eager by {diff:.3g}"
+            assert diff <= close, f"rank {rank}: compiled {what} differs from eager by {diff:.3g}"
 
 
 # -- one process (W = 1) --------------------------------------------------------------------------------
@@ -158,3 +161,12 @@ def test_one_rank_does_the_work_of_a_local_moe() -> None:
     # [T, K, H] copy here that autograd avoids by keeping an fp32 copy of them from forward
     assert 0 < mine["copied"] <= theirs["copied"] + x.shape[0] * idx.shape[1] * x.shape[1], (mine, theirs)
     assert mine["aten::mm"] == theirs["aten::mm"]  # the CPU grouped GEMM: one GEMM per group
+
+
+def test_train_yardstick_runs_a_training_step(pool: WorkerPool) -> None:
+    """`commweave bench moe` times the `train_host` yardstick beside the forward: the host
+    program with CONFIG train=True runs forward + backward and still writes the forward's output."""
+    result = pool.run("moe_jobs:train_yardstick")
+    assert result.ok, result.first_failure()
+    for value in result.values:
+        assert value["error"] <= TOLERANCE, value

@@ -47,8 +47,11 @@ class MoELayer(Workload):
     baselines = ("host", "host_padded")
     seed = "seed"
     #: the seed's dispatch and combine alone (no expert computation; not a correct program): with
-    #: `cost().comm_bytes` it gives the exchange's bandwidth, which the issue compares with a peer copy
-    yardsticks = {"exchange": ("seed", {"experts": "none"})}
+    #: `cost().comm_bytes` it gives the exchange's bandwidth, which the issue compares with a peer copy;
+    #: `train_host`: the host program's training step, timed beside the forward
+    yardsticks = {"exchange": ("seed", {"experts": "none"}),
+                  # a training step (forward + backward) of commweave.ops.moe_layer's training path
+                  "train_host": ("host", {"train": True})}
     comm_yardsticks = ("exchange",)
 
     # -- shapes ---------------------------------------------------------------------------------
