@@ -83,3 +83,49 @@ def test_layer_errors() -> None:
     layer = RowParallelLinear(8, 4)
     with pytest.raises(ValueError, match=r"a full weight is \[4, 8\], got \(8, 4\)"):
         layer.load_full(torch.zeros(8, 4))
+
+
+# -- no tax at W = 1: the same aten work as torch.nn.Linear, forward and backward ----------------------
+_COUNTED = ("aten::mm", "aten::addmm", "aten::bmm", "aten::copy_", "aten::clone", "aten::contiguous")
+
+
+def _work(step) -> dict[str, int]:
+    """GEMMs and copies (aten ops the CPU profiler records, nested ones included) of one step."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return dict(Counter(e.name for e in prof.events() if e.name in _COUNTED))
+
+
+@pytest.mark.parametrize("path", ["layers", "ops"])
+def test_tp_mlp_on_one_rank_does_what_nn_linear_does(path: str) -> None:
+    """The TP MLP block at TP = 1, forward + backward from fresh gradients (autograd's first
+    accumulation, where a gradient in the wrong layout is copied into the weight's), against the
+    same block of nn.Linear: the same GEMMs and no copy. `ops`: the custom ops themselves on the
+    layers' weight.t(), as the layers call them on several ranks."""
+    torch.manual_seed(0)
+    up, down = ColumnParallelLinear(16, 48), RowParallelLinear(48, 16)
+    plain_up, plain_down = (torch.nn.Linear(i, o, bias=False, dtype=torch.bfloat16) for i, o in ((16, 48), (48, 16)))
+    x = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(8, 16, dtype=torch.bfloat16)
+    if path == "layers":
+        ours = lambda: down(torch.nn.functional.gelu(up(x)))  # noqa: E731
+    else:
+        ours = lambda: torch.ops.commweave.gemm_reducescatter(  # noqa: E731
+            torch.nn.functional.gelu(torch.ops.commweave.gemm_allgather(x, up.weight.t(), "", None)),
+            down.weight.t(), "", None)
+
+    def step(forward, params) -> None:
+        for p in (*params, x):
+            p.grad = None
+        forward().backward(grad)
+
+    mine = _work(lambda: step(ours, [up.weight, down.weight]))
+    theirs = _work(lambda: step(lambda: plain_down(torch.nn.functional.gelu(plain_up(x))),
+                                [plain_up.weight, plain_down.weight]))
+    assert theirs == {"aten::mm": 6}, theirs  # 2 forward, 4 backward GEMMs, no copy
+    assert mine == theirs
+    assert up.weight.grad.is_contiguous() and down.weight.grad.is_contiguous()

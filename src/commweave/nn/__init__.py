@@ -7,5 +7,6 @@
 
 from commweave.nn.attention import ContextParallelAttention
 from commweave.nn.linear import ColumnParallelLinear, RowParallelLinear
+from commweave.nn.moe import ExpertParallelMoE  # expert-parallel MoE layer (nn/moe.py)
 
-__all__ = ["ColumnParallelLinear", "ContextParallelAttention", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "ContextParallelAttention", "ExpertParallelMoE", "RowParallelLinear"]

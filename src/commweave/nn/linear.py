@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from commweave.ops.groups import GroupLike, group_name, group_rank, group_size
@@ -30,6 +31,11 @@ class _ShardedLinear(nn.Module):
         super().__init__()
         self.group = group_name(group)
         self.world_size, self.rank = group_size(self.group), group_rank(self.group)
+        # One rank has nothing to communicate: the layer is then torch.nn.Linear's own F.linear
+        # (the same kernels in forward and backward), not the custom op, whose dispatch and Python
+        # backward would only add host time to a step that may be launch-bound. A named program
+        # still goes through the op, which looks it up (a wrong name fails on any W).
+        self.alone = self.world_size == 1 and program is None
         self.in_features, self.out_features = in_features, out_features
         self.program = None if program is None else str(program)
         full = [out_features, in_features]
@@ -59,19 +65,24 @@ class _ShardedLinear(nn.Module):
 
 class ColumnParallelLinear(_ShardedLinear):
     """y [T, out/W] = all_gather(x [T/W, in]) @ W_shard^T, the gather hidden behind the GEMM
-    (`commweave.ops.gemm_allgather`); weight [out/W, in]."""
+    (`commweave.ops.gemm_allgather`); weight [out/W, in]. On one rank, `F.linear` (see
+    `_ShardedLinear.alone`)."""
 
     dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.alone:
+            return F.linear(x, self.weight)
         return torch.ops.commweave.gemm_allgather(x, self.weight.t(), self.group, self.program)
 
 
 class RowParallelLinear(_ShardedLinear):
     """y [T/W, out] = reduce_scatter(x [T, in/W] @ W_shard^T) over rows
-    (`commweave.ops.gemm_reducescatter`); weight [out, in/W]."""
+    (`commweave.ops.gemm_reducescatter`); weight [out, in/W]. On one rank, `F.linear`."""
 
     dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.alone:
+            return F.linear(x, self.weight)
         return torch.ops.commweave.gemm_reducescatter(x, self.weight.t(), self.group, self.program)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from commweave.ops.exported import export_info
 from commweave.ops.groups import SINGLE, GroupLike, group_name
-from commweave.ops import runner
+from commweave.ops import library, runner
 from commweave.ops.runner import Op, ProgramSpec, op
 from commweave.workloads.attention_cp.ring import check_inputs as ring_check
 
@@ -134,16 +134,18 @@ def sharded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, program: ProgramSpec = None, group: GroupLike = None) -> torch.Tensor:
-    """An expert-parallel MoE layer (routed experts, SwiGLU; forward only): each token goes to its
-    top-k experts wherever they live and comes back as sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]).
+    """An expert-parallel MoE layer (routed experts, SwiGLU): each token goes to its top-k experts
+    wherever they live and comes back as sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]).
+    Has a backward (x, topk_weights, w13, w2): where one of them requires grad the call takes the
+    training path, the host all-to-all exchange, and keeps what the backward needs; `program` then
+    must be None.
 
     x [T, H] bf16 (T equal on every rank); topk_idx [T, k] int64, global expert ids in [0, E),
     distinct per token (not checked: that would stall the GPU every call); topk_weights [T, k]
     float32; w13 [E/W, 2I, H] bf16 (gate rows, then up rows) and w2 [E/W, H, I] bf16, this rank's
     experts r*E/W ... (r+1)*E/W - 1. Returns [T, H] bf16.
     """
-    runner.no_backward("moe_layer", {"x": x, "topk_weights": topk_weights, "w13": w13, "w2": w2})
-    return torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group_name(group), _spec(program))
+    return library.moe_forward(x, topk_idx, topk_weights, w13, w2, group_name(group), _spec(program))
 
 
 def transfer_kv(kv: torch.Tensor | None, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, cache: torch.Tensor,

@@ -1,13 +1,15 @@
 """The ops as `torch.library` custom ops in the `commweave` namespace: torch.compile sees each call
 as one opaque op with a fake (meta) implementation, so `fullgraph=True` compiles without graph
-breaks; autograd where a backward exists (the tensor-parallel pair, attention's `_lse` op); the
-group travels by name.
+breaks; autograd where a backward exists (the tensor-parallel pair, attention's `_lse` op, the MoE
+layer through moe_layer_train / moe_layer_backward); the group travels by name.
 
     torch.ops.commweave.gemm_allgather(a, b, group, program)           -> [M, N/W]
     torch.ops.commweave.gemm_reducescatter(a, b, group, program)       -> [M/W, N]
     torch.ops.commweave.context_parallel_attention(q, k, v, causal, group, program)
     torch.ops.commweave.context_parallel_attention_lse(q, k, v, causal, zigzag, group) -> (out, lse)  (autograd)
     torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group, program)
+    torch.ops.commweave.moe_layer_train(x, topk_idx, topk_weights, w13, w2, group) -> (out, *saved)
+    torch.ops.commweave.moe_layer_backward(grad, topk_idx, topk_weights, w13, w2, *saved, group)
     torch.ops.commweave.transfer_kv(kv, src_blocks, dst_blocks, cache!, group, program) (cache written)
     torch.ops.commweave.call(workload, program, group, names, inputs, options) / call_out(..., out!)
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 import ast
 import functools
 import warnings
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -53,6 +54,16 @@ def _all_gather_rows(t: Tensor, group: str, wait: bool = True) -> Tensor:
 
 def _waited(t: Tensor, group: str) -> Tensor:
     return t if group_size(group) == 1 else torch.ops._c10d_functional.wait_tensor(t)
+
+
+def _product_like(b: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """left @ right, the gradient of `b`, laid out as `b` is: where b is the transpose of a
+    row-major matrix (a layer passes weight.t()), as (right^T @ left^T)^T, the same GEMM, so the
+    gradient reaches that weight row-major and autograd does not copy it into the weight's layout
+    (a transposing copy of the whole weight, per weight and step)."""
+    if b.shape[1] > 1 and b.stride(0) == 1 and b.stride(1) >= b.shape[0]:
+        return (right.t() @ left.t()).t()
+    return left @ right
 
 
 @functools.cache
@@ -92,9 +103,9 @@ def _gemm_allgather_backward(ctx: Any, grad: Tensor) -> tuple:
     grad_a = grad_b = None
     pending = _all_gather_rows(a, ctx.group, wait=False) if ctx.needs_input_grad[1] else None
     if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t().contiguous(), ctx.group, None)
+        grad_a = torch.ops.commweave.gemm_reducescatter(grad, b.t(), ctx.group, None)
     if pending is not None:
-        grad_b = _waited(pending, ctx.group).t() @ grad
+        grad_b = _product_like(b, _waited(pending, ctx.group).t(), grad)
     return grad_a, grad_b, None, None
 
 
@@ -142,22 +153,16 @@ def _gemm_reducescatter_backward(ctx: Any, grad: Tensor) -> tuple:
     a, b = ctx.saved_tensors
     grad = grad.contiguous()
     if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
-        return torch.ops.commweave.gemm_allgather(grad, b.t().contiguous(), ctx.group, None), None, None, None
+        return torch.ops.commweave.gemm_allgather(grad, b.t(), ctx.group, None), None, None, None
     gathered = _all_gather_rows(grad, ctx.group)
     grad_a = gathered @ b.t() if ctx.needs_input_grad[0] else None
-    return grad_a, a.t() @ gathered, None, None
+    return grad_a, _product_like(b, a.t(), gathered), None, None
 
 
 gemm_reducescatter.register_autograd(_gemm_reducescatter_backward, setup_context=_save_ab)
 
 
-# -- the ops without a backward -------------------------------------------------------------------
-def _raise_no_backward(name: str) -> Callable[..., tuple]:
-    def backward(ctx: Any, *grads: Tensor) -> tuple:
-        raise RuntimeError(f"commweave.ops.{name} has no backward yet (gemm_allgather and gemm_reducescatter have one)")
-    return backward
-
-
+# -- forward-only ops (their training paths are the `_lse` and `_train` ops below) ---------------
 @torch.library.custom_op("commweave::context_parallel_attention", mutates_args=())
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, group: str,
                                program: Optional[str]) -> Tensor:
@@ -242,6 +247,87 @@ def _(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
     return x.new_empty(x.shape)
 
 
+# -- the MoE layer with a backward: moe_layer_train keeps what moe_layer_backward needs -------------
+MOE = "moe"
+
+
+@torch.library.custom_op("commweave::moe_layer_train", mutates_args=())
+def moe_layer_train(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                    group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, *saved): moe_layer's output by the host all-to-all exchange (none on one rank) and the
+    tensors its backward needs (`workloads.moe.training.Saved`, static shapes)."""
+    inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
+    out, saved = runner.op(MOE).workload.train_forward(inputs, _moe_group(group))
+    return (out, *saved)
+
+
+def _moe_group(group: str) -> Optional[dist.ProcessGroup]:
+    return None if group_size(group) == 1 else process_group(group)
+
+
+@moe_layer_train.register_fake
+def _(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+      group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    world = group_size(group)
+    pairs, (per_rank, two_i, hidden) = topk_idx.numel(), w13.shape
+    rows = world * pairs  # the expert side's bound: no source sends more than its T*K pairs
+    return (x.new_empty(x.shape), x.new_empty(pairs, hidden), x.new_empty(rows, hidden), x.new_empty(rows, two_i),
+            x.new_empty(rows, two_i // 2), topk_idx.new_empty(pairs), topk_idx.new_empty(per_rank * world),
+            topk_idx.new_empty(per_rank * world))
+
+
+def _save_moe(ctx: Any, inputs: tuple, output: tuple) -> None:
+    _, topk_idx, topk_weights, w13, w2, group = inputs
+    ctx.group = group
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(topk_idx, topk_weights, w13, w2, *output[1:])
+
+
+def _moe_layer_backward(ctx: Any, grad: Tensor, *_unused: Optional[Tensor]) -> tuple:
+    """Through moe_layer_backward: the combine's backward a dispatch, the dispatch's a combine."""
+    topk_idx, topk_weights, w13, w2, *saved = ctx.saved_tensors
+    grads = torch.ops.commweave.moe_layer_backward(grad.contiguous(), topk_idx, topk_weights, w13, w2, *saved,
+                                                   ctx.group)
+    grad_x, grad_weights, grad_w13, grad_w2 = (g if ctx.needs_input_grad[i] else None
+                                               for i, g in zip((0, 2, 3, 4), grads))
+    return grad_x, None, grad_weights, grad_w13, grad_w2, None
+
+
+moe_layer_train.register_autograd(_moe_layer_backward, setup_context=_save_moe)
+
+
+@torch.library.custom_op("commweave::moe_layer_backward", mutates_args=())
+def moe_layer_backward(grad: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                       pair_outputs: Tensor, rows: Tensor, gate_up: Tensor, hidden: Tensor, order: Tensor,
+                       counts: Tensor, recv_counts: Tensor, group: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_x, grad_topk_weights, grad_w13, grad_w2) of moe_layer_train's output gradient."""
+    inputs = {"topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
+    saved = (pair_outputs, rows, gate_up, hidden, order, counts, recv_counts)
+    return runner.op(MOE).workload.train_backward(grad, inputs, saved, _moe_group(group))
+
+
+@moe_layer_backward.register_fake
+def _(grad: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, pair_outputs: Tensor,
+      rows: Tensor, gate_up: Tensor, hidden: Tensor, order: Tensor, counts: Tensor, recv_counts: Tensor,
+      group: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return grad.new_empty(grad.shape), topk_weights.new_empty(topk_weights.shape), w13.new_empty(w13.shape), \
+        w2.new_empty(w2.shape)
+
+
+def moe_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, group: str,
+                program: Optional[str]) -> Tensor:
+    """The MoE layer as a model calls it: `moe_layer` (the workload's program), or, where autograd
+    will need a gradient of x, topk_weights, w13 or w2, `moe_layer_train` (the host all-to-all
+    exchange, whose backward is `moe_layer_backward`; there is no device-initiated backward yet,
+    so a named program is refused there rather than silently not run)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2)):
+        if program is not None:
+            raise ValueError(f"program {program!r} runs moe_layer's forward only; a call that needs a gradient runs "
+                             "the training path (host all-to-all): pass program=None, or call under torch.no_grad()")
+        return torch.ops.commweave.moe_layer_train(x, topk_idx, topk_weights, w13, w2, group)[0]
+    return torch.ops.commweave.moe_layer(x, topk_idx, topk_weights, w13, w2, group, program)
+
+
 @torch.library.custom_op("commweave::transfer_kv", mutates_args=("cache",))
 def transfer_kv(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tensor, group: str,
                 program: Optional[str]) -> None:
@@ -259,8 +345,14 @@ def _(kv: Optional[Tensor], src_blocks: Tensor, dst_blocks: Tensor, cache: Tenso
     return None
 
 
-for _op, _name in ((moe_layer, "moe_layer"),):
-    _op.register_autograd(_raise_no_backward(_name))
+
+def _moe_layer_forward_only(ctx: Any, *grads: Tensor) -> tuple:
+    raise RuntimeError("torch.ops.commweave.moe_layer is forward-only: call commweave.ops.moe_layer or "
+                       "commweave.nn.ExpertParallelMoE, which take the training path (moe_layer_train) when a "
+                       "gradient is needed")
+
+
+moe_layer.register_autograd(_moe_layer_forward_only)
 
 
 # -- any workload's program: Op objects (`commweave.ops.op(name)`, `load(path)`) ----------------

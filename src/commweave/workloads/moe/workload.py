@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, checked_tensor, input_names,
                                       seeded_generator)
-from commweave.workloads.moe import routing
+from commweave.workloads.moe import routing, training
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
 DSV3_TOKENS = (128, 4096)  # decode, prefill (tokens per rank)
@@ -46,8 +47,11 @@ class MoELayer(Workload):
     baselines = ("host", "host_padded")
     seed = "seed"
     #: the seed's dispatch and combine alone (no expert computation; not a correct program): with
-    #: `cost().comm_bytes` it gives the exchange's bandwidth, which the issue compares with a peer copy
-    yardsticks = {"exchange": ("seed", {"experts": "none"})}
+    #: `cost().comm_bytes` it gives the exchange's bandwidth, which the issue compares with a peer copy;
+    #: `train_host`: the host program's training step, timed beside the forward
+    yardsticks = {"exchange": ("seed", {"experts": "none"}),
+                  # a training step (forward + backward) of commweave.ops.moe_layer's training path
+                  "train_host": ("host", {"train": True})}
     comm_yardsticks = ("exchange",)
 
     # -- shapes ---------------------------------------------------------------------------------
@@ -182,15 +186,10 @@ class MoELayer(Workload):
                     **options: Any) -> torch.Tensor:
         """Every expert is local: rows sorted by expert, two grouped GEMMs (no host synchronization,
         so a caller's CUDA graph can hold it), the weighted sum back per token."""
+        self.check_local_inputs(inputs)
         x, idx, weights, w13, w2 = (inputs[n] for n in ("x", "topk_idx", "topk_weights", "w13", "w2"))
         tokens, top_k = idx.shape
         experts, inter = w13.shape[0], w13.shape[1] // 2
-        if x.dim() != 2 or w13.shape[2] != x.shape[1] or tuple(w2.shape) != (experts, x.shape[1], inter):
-            raise ValueError(f"x [T, H], w13 [E, 2I, H] and w2 [E, H, I] expected, got {tuple(x.shape)}, "
-                             f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-        if tuple(weights.shape) != (tokens, top_k) or x.shape[0] != tokens:
-            raise ValueError(f"topk_idx {tuple(idx.shape)} and topk_weights {tuple(weights.shape)} must both be [T, k] "
-                             f"with T = {x.shape[0]}")
         flat = idx.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -202,6 +201,38 @@ class MoELayer(Workload):
         per_pair = torch.empty_like(results).index_copy_(0, order, results)
         summed = (per_pair.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(1)
         return summed.to(x.dtype)
+
+    # -- training (commweave.ops.moe_layer where a gradient is needed): workloads/moe/training.py --
+    def train_forward(self, inputs: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(out, saved) over `group` (None: one rank), inputs as `shape_from_inputs` checks them."""
+        if group is None:
+            self.check_local_inputs(inputs)
+        else:
+            self.shape_from_inputs(inputs, group.size(), dist.get_rank(group))
+        out, saved = training.forward(*(inputs[n] for n in self.op_inputs), group)
+        return out, saved.as_tuple()
+
+    def train_backward(self, grad: torch.Tensor, inputs: Mapping[str, torch.Tensor], saved: tuple[torch.Tensor, ...],
+                       group: dist.ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+        """(grad_x, grad_topk_weights, grad_w13, grad_w2) from the output's gradient and `saved`."""
+        return training.backward(grad, inputs["topk_idx"], inputs["topk_weights"], inputs["w13"], inputs["w2"],
+                                 training.Saved(*saved), group)
+
+    @staticmethod
+    def check_local_inputs(inputs: Mapping[str, torch.Tensor | None]) -> None:
+        """A ValueError unless the tensors fit one rank holding every expert (any float dtype)."""
+        x, idx, weights, w13, w2 = (inputs[n] for n in ("x", "topk_idx", "topk_weights", "w13", "w2"))
+        if idx.dim() != 2 or w13.dim() != 3:
+            raise ValueError(f"topk_idx [T, k] and w13 [E, 2I, H] expected, got {tuple(idx.shape)}, {tuple(w13.shape)}")
+        tokens, top_k = idx.shape
+        experts, inter = w13.shape[0], w13.shape[1] // 2
+        if x.dim() != 2 or w13.shape[2] != x.shape[1] or tuple(w2.shape) != (experts, x.shape[1], inter):
+            raise ValueError(f"x [T, H], w13 [E, 2I, H] and w2 [E, H, I] expected, got {tuple(x.shape)}, "
+                             f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+        if tuple(weights.shape) != (tokens, top_k) or x.shape[0] != tokens:
+            raise ValueError(f"topk_idx {tuple(idx.shape)} and topk_weights {tuple(weights.shape)} must both be [T, k] "
+                             f"with T = {x.shape[0]}")
 
     def shape_from_inputs(self, inputs: Mapping[str, torch.Tensor], world_size: int, rank: int,
                           out: torch.Tensor | None = None) -> Shape:

@@ -13,15 +13,24 @@
 Serialized on the current stream, with host synchronizations for the split sizes. Runs unchanged
 on CPU workers over gloo (torch 2.13's gloo backend implements `all_to_all_single` with
 uneven splits), which the CPU tests use.
+
+CONFIG `train=True` (the workload's `train_host` yardstick, which `commweave bench moe` times
+beside the forward): a training step instead, the training path of `commweave.ops.moe_layer`
+(`workloads/moe/training.py`: the same exchange, keeping what the backward needs) and its backward
+with the output itself standing in for the loss's gradient (the gradients are dropped); `out` gets
+the forward's output.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from commweave.workloads.moe import training
+
 # EVOLVE-BLOCK-START
 CONFIG = dict(
     experts="grouped",  # "grouped": torch._grouped_mm over all local experts; "loop": one matmul chain each
+    train=False,  # True: forward + backward of the training path (a training step's time; see the docstring)
 )
 
 
@@ -33,6 +42,12 @@ def setup(ctx, shape):
 
 
 def run(ctx, state, inputs, out):
+    if CONFIG["train"]:
+        names = ("x", "topk_idx", "topk_weights", "w13", "w2")
+        y, saved = training.forward(*(inputs[n] for n in names), ctx.group)
+        training.backward(y, *(inputs[n] for n in names[1:]), saved, ctx.group)
+        out.copy_(y)
+        return
     world = ctx.world_size
     x, idx, w = inputs["x"], inputs["topk_idx"], inputs["topk_weights"]
     n_experts, top_k, inter = state["E"], state["K"], state["I"]
