@@ -43,6 +43,7 @@ from commweave.runtime.candidate import (
 )
 from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
 from commweave.runtime.shared_buffers import SharedBuffers
+from commweave.runtime.wire import WireError, decode_bytes, encode_bytes
 
 SERVE = "commweave.evaluate.runner:serve"
 _GROUP: Any = None  # this judge's harness group, created by the first job every rank runs
@@ -217,14 +218,20 @@ class _Program:
         return not self.peers_failed
 
     # -- requests ---------------------------------------------------------------------------------
-    def call(self, what: str, message: tuple, then: Callable[[], None] | None = None) -> Any:
-        """One request; a failure becomes this rank's verdict and None is returned."""
+    def call(self, what: str, op: str, *args: Any, then: Callable[[], None] | None = None,
+             expect: tuple[type, ...] = (type(None),)) -> Any:
+        """One request `op(*args)` whose answer must be of a type in `expect`; a failure becomes
+        this rank's verdict and None is returned."""
         began = time.monotonic()
-        reply = self.proc.request(message, self.job.deadline, self.job.abort_flag(self.name), then)
+        reply = self.proc.request({"op": op, "args": list(args)}, self.job.deadline, self.job.abort_flag(self.name),
+                                  then, expect)
         if reply.status == "ok":
             return reply.value
         if reply.status == "aborted":
             self.aborted = True
+        elif reply.status == "invalid":
+            self.fail(FailureClass.RUNTIME_ERROR, f"{what}: rank {self.ctx.rank}'s program process broke the "
+                                                  f"judge's wire: {reply.message}")
         elif reply.status == "error":
             text = f"{what} raised {reply.error_type}: {reply.message}"
             if reply.error_type == WorkEscapedStream.__name__:
@@ -250,7 +257,7 @@ class _Program:
             raise HarnessError(located) from exc
 
     def load(self) -> None:
-        reason = self.call("loading the program", ("load", self.text, self.name))
+        reason = self.call("loading the program", "load", self.text, self.name, expect=(str, type(None)))
         if self.ok and reason:
             self.fail(FailureClass.UNAVAILABLE, reason)
 
@@ -258,7 +265,7 @@ class _Program:
         """setup() in the program process, then the judge's buffers shared with it: `sets` input
         sets laid out like the given tensors, and the output. Returns the bytes setup holds."""
         symmetric = _symmetric_bytes(self.ctx, wl, shape) if wl.symmetric_output and self.ctx.is_cuda else 0
-        held = self.call("setup()", ("setup", shape, symmetric))
+        held = self.call("setup()", "setup", shape.label, dict(shape.params), symmetric, expect=(int,))
         if not self.agree():
             return None
         like = wl.make_output(shape, self.ctx.world_size, self.ctx.rank, torch.device("meta"))
@@ -269,11 +276,14 @@ class _Program:
         handle = None
         if self.ctx.is_cuda:
             self.go = torch.cuda.Event(interprocess=True)
-            handle = self.go.ipc_handle()
-        done = self.call("receiving the buffers", ("buffers", handle),
-                         then=lambda: self.buffers.send(self.proc.conn, self.proc.pid))
+            handle = encode_bytes(self.go.ipc_handle())
+        done = self.call("receiving the buffers", "buffers", handle, then=lambda: self.buffers.send(self.proc.conn),
+                         expect=(str,) if self.ctx.is_cuda else (type(None),))
         if self.ok and self.ctx.is_cuda:
-            self.done = torch.cuda.Event.from_ipc_handle(self.ctx.device, done)
+            try:
+                self.done = torch.cuda.Event.from_ipc_handle(self.ctx.device, decode_bytes(done))
+            except (WireError, RuntimeError) as exc:
+                self.fail(FailureClass.RUNTIME_ERROR, f"its 'done' event handle cannot be opened: {exc}")
         return held
 
     @property
@@ -290,7 +300,7 @@ class _Program:
         poison_(self.out)
         if self.ctx.is_cuda:
             self.go.record()
-        self.call("run()", ("run", index, mode))
+        self.call("run()", "run", index, mode)
         return self.ok
 
     def close(self, blame: bool = True) -> None:
@@ -315,10 +325,10 @@ class _Program:
 def _finish(program: _Program, teardown: bool) -> None:
     """teardown() where every rank may run it, then exit; the processes are killed either way."""
     if teardown and program.agree():
-        program.call("teardown()", ("teardown",))
+        program.call("teardown()", "teardown")
         program.agree()
     if program.ok:
-        program.proc.request(("exit",), min(program.job.deadline, time.monotonic() + 5.0), lambda: False)
+        program.proc.request({"op": "exit", "args": []}, min(program.job.deadline, time.monotonic() + 5.0), lambda: False)
     program.close()
 
 
@@ -375,7 +385,7 @@ def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]
         if not program.agree():
             return False
     program.seed = None
-    program.call("teardown()", ("teardown",))  # a collective teardown stays matched: every rank set up
+    program.call("teardown()", "teardown")  # a collective teardown stays matched: every rank set up
     return program.agree()
 
 
@@ -454,7 +464,7 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
     if ctx.is_cuda:
         for name, program in active.items():
             program.go.record()
-            peak = program.call("memory measurement", ("memory", 0))
+            peak = program.call("memory measurement", "memory", 0, expect=(int,))
             if program.agree():
                 result.memory[name] += peak
     else:
@@ -565,7 +575,7 @@ def _timed(program: _Program, index: int, values: dict[str, torch.Tensor], untou
         program.fill(index, values)
         poison_(program.out)
         began = time.perf_counter()
-        program.call("run()", ("run", index, "timed"))
+        program.call("run()", "run", index, "timed")
         seconds = time.perf_counter() - began
         if not program.ok:
             return None, False
@@ -579,7 +589,7 @@ def _timed(program: _Program, index: int, values: dict[str, torch.Tensor], untou
         ctx.device_barrier()
     start.record()
     program.go.record()
-    program.call("run()", ("run", index, "timed"))
+    program.call("run()", "run", index, "timed")
     if not program.ok:
         release()
         torch.cuda.synchronize(ctx.device)

@@ -2,18 +2,18 @@
 
 It loads one program and, on the judge's requests, sets it up, runs it on the judge's shared
 buffers, and tears it down. Nothing here is trusted: a candidate may patch any of it, and the
-judge assumes so (it writes the inputs, poisons and reads the output, and times from its own
-side). Requests: ('load', text, name) -> reason it cannot run or None; ('setup', shape,
-symmetric_bytes) -> bytes it holds (GPUs); ('buffers',) then the block (shared_buffers) -> the
-IPC handle of its 'done' event (GPUs); ('run', set, mode) with mode 'check', 'warm' or 'timed';
-('memory', set) -> bytes two calls add at their peak (GPUs); ('teardown',); ('exit',).
-Answers: ('ok', value) or ('error', type, message, traceback).
+judge assumes so (it writes the inputs, poisons and reads the output, times from its own side,
+and parses what comes back as data under a schema: runtime/wire.py). Requests are JSON objects
+{"op": ..., "args": [...]}: load (text, name) -> reason it cannot run or None; setup (label,
+params, symmetric_bytes) -> bytes it holds (GPUs); buffers (go handle, base64) then the block
+(shared_buffers) -> the base64 IPC handle of its 'done' event (GPUs); run (set, mode) with mode
+'check', 'warm' or 'timed'; memory (set) -> bytes two calls add at their peak (GPUs); teardown;
+exit. Answers: {"ok": value} or {"error": {"type", "message", "traceback"}}.
 """
 
 from __future__ import annotations
 
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -21,8 +21,11 @@ import torch
 from commweave.contracts.context import ProgramContext
 from commweave.contracts.poison import poison_
 from commweave.contracts.program import load_program, unavailable_reason
+from commweave.contracts.workload import Shape
+from commweave.runtime.candidate import MESSAGE_CHARS, TRACEBACK_CHARS
 from commweave.runtime.pool import is_sticky_cuda_error
 from commweave.runtime.shared_buffers import receive_buffers
+from commweave.runtime.wire import Channel, decode_bytes, encode_bytes
 
 
 def held_bytes(ctx: ProgramContext) -> int:
@@ -62,7 +65,7 @@ class _Served:
         self.state = self.program.setup(self.ctx, shape)
         return held_bytes(self.ctx) - before
 
-    def buffers(self, conn: Connection, go_handle: bytes | None) -> bytes | None:
+    def buffers(self, conn: Channel, go_handle: bytes | None) -> bytes | None:
         tensors, self._keep = receive_buffers(conn)
         self.out = tensors.pop("out")
         sets: dict[int, dict[str, torch.Tensor]] = {}
@@ -129,35 +132,38 @@ class _Served:
         self.ctx.end_candidate()
 
 
-def serve(ctx: ProgramContext, conn: Connection) -> None:
+def serve(ctx: ProgramContext, conn: Channel) -> None:
     """Answer the judge's requests until 'exit'; a sticky CUDA error ends the process after its
-    answer (the context is gone)."""
+    answer (the context is gone). Errors cross as strings, cut to what the wire carries."""
     served = _Served(ctx)
     while True:
-        request = conn.recv()
-        op = request[0]
+        request = conn.receive(None)
+        op, args = request["op"], request["args"]
         try:
             if op == "load":
-                value = served.load(request[1], request[2])
+                value = served.load(*args)
             elif op == "setup":
-                value = served.setup(request[1], request[2])
+                label, params, symmetric = args
+                value = served.setup(Shape(label, params), symmetric)
             elif op == "buffers":
-                value = served.buffers(conn, request[1])
+                value = served.buffers(conn, None if args[0] is None else decode_bytes(args[0]))
+                value = None if value is None else encode_bytes(value)
             elif op == "run":
-                value = served.run(request[1], request[2])
+                value = served.run(*args)
             elif op == "memory":
-                value = served.memory(request[1])
+                value = served.memory(*args)
             elif op == "teardown":
                 value = served.teardown()
             elif op == "exit":
-                conn.send(("ok", None))
+                conn.send({"ok": None})
                 return
             else:
                 raise ValueError(f"unknown request {op!r}")
         except Exception as exc:  # noqa: BLE001 - the judge classifies it
             message = str(exc)
-            conn.send(("error", type(exc).__name__, message, traceback.format_exc()))
+            conn.send({"error": {"type": type(exc).__name__, "message": message[:MESSAGE_CHARS],
+                                 "traceback": traceback.format_exc()[-TRACEBACK_CHARS:]}})
             if is_sticky_cuda_error(f"{type(exc).__name__}: {message}"):
                 return
             continue
-        conn.send(("ok", value))
+        conn.send({"ok": value})

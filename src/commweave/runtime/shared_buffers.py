@@ -2,7 +2,7 @@
 
 The judge allocates one block per program and rank, views tensors into it by a layout, and hands
 the block to the program process once: on CPU an anonymous memfd (no name anyone else could open)
-sent as a file descriptor over their unix socket and mapped on both sides; on GPUs a CUDA
+sent as a file descriptor over their unix socket (runtime/wire.py) and mapped on both sides; on GPUs a CUDA
 allocation of a memory pool of its own, exported by CUDA IPC (torch's reductions). The judge then writes fresh values, poisons
 the output and reads it back in its own process; the program process only ever sees this block.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions ForkingPickler uses)
+
+from commweave.runtime.wire import Channel, decode_bytes, encode_bytes
 
 ALIGN = 256  # bytes: every view starts aligned for vector loads and TMA
 
@@ -72,13 +73,17 @@ class SharedBuffers:
             self.block = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
         self.tensors = _views(self.block, self.slots)
 
-    def send(self, conn: Connection, pid: int) -> None:
-        """Give the block to the program process at the other end of `conn` (process `pid`)."""
+    def send(self, channel: Channel) -> None:
+        """Give the block to the program process at the other end of `channel`: the layout as
+        JSON, then the memfd (SCM_RIGHTS) or the CUDA IPC reduction (the judge's own pickle,
+        base64; only a program process unpickles it, never the judge)."""
+        slots = [[s.key, str(s.dtype).removeprefix("torch."), list(s.shape), s.offset] for s in self.slots]
         if self.device.type == "cuda":
-            conn.send(("cuda", self.slots, bytes(ForkingPickler.dumps(self.block))))
+            channel.send({"kind": "cuda", "slots": slots, "nbytes": self.nbytes,
+                          "payload": encode_bytes(bytes(ForkingPickler.dumps(self.block)))})
         else:
-            conn.send(("memfd", self.slots, self.nbytes))
-            send_handle(conn, self._fd, pid)
+            channel.send({"kind": "memfd", "slots": slots, "nbytes": self.nbytes})
+            channel.send_fd(self._fd)
 
     def close(self) -> None:
         """Drop the judge's handles (the mapping goes with the last tensor viewing it)."""
@@ -91,14 +96,15 @@ class SharedBuffers:
             self._fd = None
 
 
-def receive_buffers(conn: Connection) -> tuple[dict[str, torch.Tensor], object]:
+def receive_buffers(channel: Channel) -> tuple[dict[str, torch.Tensor], object]:
     """Program side: the judge's block as named tensors, and what keeps the mapping alive."""
-    kind, slots, payload = conn.recv()
-    if kind == "cuda":
-        block = ForkingPickler.loads(payload)
+    message = channel.receive(None)
+    slots = [Slot(key, getattr(torch, dtype), tuple(shape), offset) for key, dtype, shape, offset in message["slots"]]
+    if message["kind"] == "cuda":
+        block = ForkingPickler.loads(decode_bytes(message["payload"]))
         return _views(block, slots), block
-    fd = recv_handle(conn)
-    mapping = mmap.mmap(fd, payload)
+    fd = channel.receive_fd()
+    mapping = mmap.mmap(fd, message["nbytes"])
     os.close(fd)
-    block = torch.frombuffer(mapping, dtype=torch.uint8, count=payload)
+    block = torch.frombuffer(mapping, dtype=torch.uint8, count=message["nbytes"])
     return _views(block, slots), mapping
