@@ -15,6 +15,7 @@ import pytest
 
 import commweave.evaluate.evaluator as evaluator_module
 from commweave.evaluate import CANDIDATE, EvaluationError, Evaluator, FailureClass, MachineRates, calibrate
+from commweave.evaluate.timing import MAX_BATCH
 from commweave.runtime import WorkerPool
 from toy_workload import (
     ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithUnavailableBaseline, ToyZeroReference,
@@ -165,7 +166,8 @@ def test_work_escaping_the_timed_region_is_suspect(evaluator):
     assert escapes.verdict.failure == FailureClass.SUSPECT, escapes.verdict.message
     assert "not ready at the end of the timed region" in escapes.verdict.message
     assert host.verdict.ok and len(host.per_iter_us) == evaluator.iters
-    assert bench.input_sets == 16  # tiny inputs: the cap on rotating sets
+    assert bench.input_sets == MAX_BATCH["cpu"]  # tiny inputs: room for the largest batch
+    assert 1 <= host.batch <= MAX_BATCH["cpu"] and host.crossing_us >= 0  # the judge's resolution, recorded
     assert_host_still_passes(evaluator)
 
 
@@ -232,7 +234,7 @@ def test_memoising_by_sampled_values_never_hits(evaluator):
 def test_memoising_by_address_fails_the_benchmark(evaluator):
     bench = evaluator.benchmark({"memo": program("memo_by_address"), "host": program("host")}, BENCH_SHAPE)
     memo = bench.programs["memo"].verdict
-    assert memo.failure == FailureClass.WRONG_RESULT and "benchmark iteration" in memo.message, memo.message
+    assert memo.failure == FailureClass.WRONG_RESULT and "benchmark batch" in memo.message, memo.message
     assert bench.programs["host"].verdict.ok and len(bench.programs["host"].per_iter_us) == evaluator.iters
 
 

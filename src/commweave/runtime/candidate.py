@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -280,6 +281,11 @@ class ProgramProcess:
     workdir: contextlib.ExitStack
     ready: dict[str, Any] = field(default_factory=dict)
     closed: bool = False
+    #: CPU judges: stop the program's process group the moment an answer arrives and continue it
+    #: with the next request, so what the judge reads (outputs, inputs) is what existed at the reply
+    stop_at_reply: bool = False
+    stopped: bool = False
+    replied_at: float = 0.0  # perf_counter() when the last answer arrived (before any stop)
 
     @classmethod
     def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,
@@ -329,6 +335,7 @@ class ProgramProcess:
             except (EOFError, OSError):
                 return Reply("died", self.zygote.exit_code(self.pid))
             if message is not None:
+                self.replied_at = time.perf_counter()
                 return Reply("ok", message)
             if abort():
                 return Reply("aborted")
@@ -339,12 +346,15 @@ class ProgramProcess:
         schema: {"ok": value of a type in `expect`} or {"error": {"type", "message", "traceback"}}
         (strings); anything else is 'invalid'."""
         try:
+            self.resume()
             self.conn.send(message)
             if then is not None:
                 then()
         except OSError:
             return Reply("died", self.zygote.exit_code(self.pid))
         reply = self.wait(deadline, abort)
+        if reply.status in ("ok", "invalid") and self.stop_at_reply:
+            self.stop(deadline)
         if reply.status != "ok":
             return reply
         answer = reply.value
@@ -356,6 +366,22 @@ class ProgramProcess:
         names = " or ".join(t.__name__ for t in expect)
         return Reply("invalid", message=f"an answer outside the schema ({{'ok': {names}}} or {{'error': ...}}): "
                                         f"{sorted(answer)[:5]}")
+
+    def stop(self, deadline: float) -> None:
+        """SIGSTOP the program's process group and wait (until `deadline`) for every thread of the
+        program process to be stopped; its other processes got the same signal."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGSTOP)
+            self.stopped = True
+        while self.stopped and time.monotonic() < deadline and not _all_threads_stopped(self.pid):
+            time.sleep(0.0001)
+
+    def resume(self) -> None:
+        """SIGCONT what `stop` stopped."""
+        if self.stopped:
+            self.stopped = False
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGCONT)
 
     def close(self) -> int:
         """Kill the program process's whole tree, then whatever escaped it (double-forked, now our
@@ -372,6 +398,23 @@ class ProgramProcess:
         orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
         self.workdir.close()
         return len(left) + orphans
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (or gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                state = stat.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
 
 
 def make_rendezvous() -> Path:

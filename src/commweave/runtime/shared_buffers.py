@@ -47,7 +47,7 @@ def layout(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[
     return slots, max(offset, ALIGN)
 
 
-def _views(block: torch.Tensor, slots: list[Slot]) -> dict[str, torch.Tensor]:
+def views(block: torch.Tensor, slots: list[Slot]) -> dict[str, torch.Tensor]:
     return {s.key: block[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots}
 
 
@@ -71,7 +71,7 @@ class SharedBuffers:
             os.ftruncate(self._fd, self.nbytes)
             self._map = mmap.mmap(self._fd, self.nbytes)
             self.block = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
-        self.tensors = _views(self.block, self.slots)
+        self.tensors = views(self.block, self.slots)
 
     def send(self, channel: Channel) -> None:
         """Give the block to the program process at the other end of `channel`: the layout as
@@ -84,6 +84,13 @@ class SharedBuffers:
         else:
             channel.send({"kind": "memfd", "slots": slots, "nbytes": self.nbytes})
             channel.send_fd(self._fd)
+
+    def span(self, first: str, last: str) -> torch.Tensor:
+        """The block's bytes from slot `first`'s start to slot `last`'s end, as one uint8 view
+        (slots in between and their alignment padding included)."""
+        by_key = {s.key: s for s in self.slots}
+        begin, end = by_key[first].offset, by_key[last].offset + by_key[last].nbytes
+        return self.block[begin:end]
 
     def close(self) -> None:
         """Drop the judge's handles (the mapping goes with the last tensor viewing it)."""
@@ -102,9 +109,9 @@ def receive_buffers(channel: Channel) -> tuple[dict[str, torch.Tensor], object]:
     slots = [Slot(key, getattr(torch, dtype), tuple(shape), offset) for key, dtype, shape, offset in message["slots"]]
     if message["kind"] == "cuda":
         block = ForkingPickler.loads(decode_bytes(message["payload"]))
-        return _views(block, slots), block
+        return views(block, slots), block
     fd = channel.receive_fd()
     mapping = mmap.mmap(fd, message["nbytes"])
     os.close(fd)
     block = torch.frombuffer(mapping, dtype=torch.uint8, count=message["nbytes"])
-    return _views(block, slots), mapping
+    return views(block, slots), mapping
