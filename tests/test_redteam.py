@@ -81,6 +81,7 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "raise_harness_error": {F.RUNTIME_ERROR, F.WRONG_RESULT},
     "stalled_length_header": {F.TIMEOUT},
     "oversized_frame": {F.RUNTIME_ERROR},
+    "zeros_then_compute": {F.WRONG_RESULT, F.SUSPECT},
 }
 # Run in the judge's own process, these would kill the test run itself (its parent, its group).
 KILLS_ITS_PARENT = {"kill_parent", "kill_judge_group", "kill_own_group"}
