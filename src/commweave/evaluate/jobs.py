@@ -185,6 +185,7 @@ class _Program:
         self.inputs: list[dict[str, torch.Tensor]] = []  # input set i: call i of a batch reads it
         self.outs: list[torch.Tensor] = []  # output i: call i of a batch writes it
         self.input_span: torch.Tensor | None = None  # every input set's bytes (uint8), one view
+        self.set_stride = 0  # bytes from one input set to the next in input_span
         self.out_rows: torch.Tensor | None = None  # [sets, padded output]: every output, one view to poison
         self.staging: torch.Tensor | None = None  # GPUs: the judge's private copy of input_span, filled first
         self.staging_sets: list[dict[str, torch.Tensor]] = []
@@ -288,6 +289,8 @@ class _Program:
         self.outs = [self.buffers.tensors[f"out{i}"] for i in range(len(sets))]
         keys = list(sets[0])
         self.input_span = self.buffers.span(f"in0.{keys[0]}", f"in{len(sets) - 1}.{keys[-1]}")
+        self.set_stride = (self.inputs[1][keys[0]].data_ptr() - self.inputs[0][keys[0]].data_ptr() if len(sets) > 1
+                           else self.input_span.numel())
         first = self.outs[0].data_ptr() - self.buffers.block.data_ptr()
         stride = self.outs[1].data_ptr() - self.outs[0].data_ptr() if len(sets) > 1 else self.buffers.nbytes - first
         self.out_rows = (self.buffers.block[first:first + len(sets) * stride].view(like.dtype)
@@ -677,10 +680,9 @@ def _l2_flush_buffer(ctx: ProgramContext) -> torch.Tensor | None:
 def _unready(program: _Program, count: int, masks: list[torch.Tensor | None]) -> torch.Tensor:
     """How many of the first `count` outputs still hold poison (or non-finite values) where the
     program must write: a 0-dim tensor on the output's device (no sync)."""
-    numel = program.outs[0].numel()
-    rows = program.out_rows[:count, :numel]
+    rows = program.out_rows[:count]  # padded rows: the padding is poison, never looked at
     if all(m is None for m in masks):
-        return (poisoned_mask(rows) | ~torch.isfinite(rows)).any(dim=1).sum()
+        return (poisoned_mask(rows) | ~torch.isfinite(rows))[:, :program.outs[0].numel()].any(dim=1).sum()
     return sum(not_ready(program.outs[i], masks[i]).int() for i in range(count))
 
 
@@ -706,7 +708,7 @@ def _timed(program: _Program, count: int, masks: list[torch.Tensor | None],
         return seconds, int(_unready(program, count, masks))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     release = ctx.hold_stream(timeout_s=HOLD_S)
-    span = program.input_span.numel() // len(program.inputs) * count
+    span = min(program.set_stride * count, program.input_span.numel())
     program.input_span[:span].copy_(program.staging[:span])
     poison_(program.out_rows[:count])
     flush.zero_()

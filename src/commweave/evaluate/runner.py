@@ -49,6 +49,8 @@ class _Served:
         self.inputs: list[dict[str, torch.Tensor]] = []
         self.outs: list[torch.Tensor] = []
         self.out_bytes: torch.Tensor | None = None  # GPUs: every output's bytes, one view of the block
+        self.out_stride = 0  # bytes from one output to the next in out_bytes
+        self.written = 0  # bytes of out_bytes the last batch wrote (the stream-order check's span)
         self.symmetric: torch.Tensor | None = None  # the output window a symmetric-output workload gets
         self.go: Any = None
         self.done: Any = None
@@ -91,6 +93,7 @@ class _Served:
         base = self._keep.data_ptr()
         begin = first.data_ptr() - base
         self.out_bytes = self._keep[begin:last.data_ptr() - base + last.numel() * last.element_size()]
+        self.out_stride = self.out_bytes.numel() if len(self.outs) == 1 else self.outs[1].data_ptr() - first.data_ptr()
         self.snapshot = torch.empty_like(self.out_bytes)
         self.go = torch.cuda.Event.from_ipc_handle(self.ctx.device, go_handle)
         self.done = torch.cuda.Event(interprocess=True)
@@ -114,7 +117,8 @@ class _Served:
                 self.outs[i].copy_(self.symmetric)
         if self.ctx.is_cuda:
             self.done.record()
-            self.snapshot.copy_(self.out_bytes)
+            self.written = min(count * self.out_stride, self.out_bytes.numel())
+            self.snapshot[:self.written].copy_(self.out_bytes[:self.written])
             if settle:
                 self.settle()
 
@@ -127,7 +131,7 @@ class _Served:
         if not self.ctx.is_cuda:
             return
         torch.cuda.synchronize(self.ctx.device)
-        if not torch.equal(self.snapshot, self.out_bytes):
+        if not torch.equal(self.snapshot[:self.written], self.out_bytes[:self.written]):
             raise WorkEscapedStream("its output changed after run() returned and its work on the current stream "
                                     "ended: work left on a side stream escapes the timed region (join side "
                                     "streams back before returning)")
