@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--batches", type=int, default=20, help="timed batches, in process and per program in the judge")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     apply_safe_env()
     wl, shapes, host = workload_and_shapes(args.device)
@@ -159,7 +160,7 @@ def main() -> None:
     payload = {"device": args.device, "world": 1, "workload": wl.name, "batches": args.batches, "warmup": args.warmup,
                "rows": rows}
     path = write_results(f"judge-fidelity-{tag}", payload, command=["python", "bench/judge_fidelity.py", *sys.argv[1:]],
-                         out_dir=ROOT / "bench" / "results")
+                         out_dir=args.out_dir)
     print(f"{'shape':>16} {'in-proc µs':>11} {'judge µs':>10} {'ratio':>7} {'twice':>7} {'honest':>7} {'K':>5} {'cross µs':>9}")
     for r in rows:
         print(f"{r['shape']:>16} {r['inprocess_us']:11.1f} {r['judge_us']:10.1f} {r['ratio']:7.3f} "
