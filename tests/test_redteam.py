@@ -94,7 +94,7 @@ NEEDS_NETNS = {"socket_exfil"}
 # Hang a judge whose reads have no deadline: the judge itself must report them, no judge restarted.
 STALLS_A_READ = {"stalled_length_header", "oversized_frame"}
 JOB_TIMEOUT_S = 20  # the sleeper waits this long; honest jobs take well under a second here
-HONEST_ITERS = 100
+HONEST_ITERS = 20  # timed batches of >= 25 ms each (a batch replaced ~25 single-call iterations)
 MAX_TIMING_LOAD = 3.0  # runnable processes per core up to which the ~1.0x check is asserted (as in test_evaluate_cpu)
 
 
@@ -144,8 +144,8 @@ def world(tmp_path_factory):
         with WorkerPool(2, device="cpu", job_timeout_s=JOB_TIMEOUT_S,
                         env=worker_env()) as pool:
             evaluator = Evaluator(pool, TOY, warmup=2, iters=10, job_timeout_s=JOB_TIMEOUT_S)
-            # the honest follow-up times more iterations: blocks of a 10-iteration benchmark are
-            # short enough for one burst of another process's load to decide a median
+            # the honest follow-up times more batches: 10 batches are short enough for one burst
+            # of another process's load to decide a median
             honest = Evaluator(pool, TOY, warmup=2, iters=HONEST_ITERS, job_timeout_s=JOB_TIMEOUT_S)
             yield {"evaluator": evaluator, "honest": honest, "db_path": db_path, "outside": outside, "listener": listener,
                    "cache": cache}
