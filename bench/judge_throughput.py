@@ -12,7 +12,8 @@ and, where the evaluator reports them (`Evaluator.phases`), the judge-side phase
 the program processes until they are confined and their process group is up), `init` (of that,
 the process group and rank context: gloo, or CUDA + NCCL), `setup` (load, setup(), sharing the
 buffers), `checks` (runs judged and the verification of timed outputs, with the judge drawing
-fresh values), `timing` (warm-up and timed iterations). Writes bench/results/judge-throughput-<device>-<W>-<UTC>.json.
+fresh values), `warmup` (probe and warm-up batches), `timing` (timed batches), and the judge's resolution per
+candidate (calls per timed batch, a batch's crossing cost). Writes bench/results/judge-throughput-<device>-<W>-<UTC>.json.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
         pool_start_s = time.perf_counter() - began
         evaluator = Evaluator(pool, workload, warmup=args.warmup, iters=args.iters)
         evaluator.evaluate(text, shape)  # the first: baseline checks (cached after), compile cache, imports
-        per_candidate, fitness, phases = [], [], []
+        per_candidate, fitness, phases, resolution = [], [], [], []
         split = {"check_s": [], "bench_s": []}
         for _ in range(args.candidates):
             t0 = time.perf_counter()
@@ -65,6 +66,7 @@ def main() -> None:
             if not result.verdict.ok:
                 raise SystemExit(f"the honest candidate failed: {result.verdict.failure}: {result.verdict.message}")
             fitness.append(result.fitness)
+            resolution.append({"batch": result.candidate.batch, "crossing_us": result.candidate.crossing_us})
             phases.append(dict(getattr(evaluator, "phases", {})))
         for _ in range(min(3, args.candidates)):  # the two jobs of one evaluation, timed apart
             t0 = time.perf_counter()
@@ -80,6 +82,7 @@ def main() -> None:
         "candidates": args.candidates, "pool_start_s": pool_start_s, "seconds_per_candidate": per_candidate,
         "candidates_per_min": 60.0 / mean_s, "fitness_of_honest_copy": fitness,
         "evaluator_split_s": {k: statistics.mean(v) for k, v in split.items()}, "judge_phases_s": phase_means,
+        "resolution": resolution,  # the candidate's calls per timed batch and a batch's crossing cost
     }
     label = f"-{args.label}" if args.label else ""
     path = write_results(f"judge-throughput{label}-{args.device}-{args.world}", payload,

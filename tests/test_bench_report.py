@@ -138,6 +138,8 @@ def test_rendering_reads_the_report(report_and_steps):
     assert list(table.columns[headers.index("broken")].cells) == ["[red]wrong_result[/]"] * 2
     lines = notes(report)
     assert any("gather_alone moves the slowest rank's" in line for line in lines)
+    assert sum(line.startswith(f"{s.label}: the judge's resolution: calls a batch host ") for s in SHAPES
+               for line in lines) == 2
     assert sum(line.startswith(f"{s.label} broken: wrong_result") for s in SHAPES for line in lines) == 2
 
 

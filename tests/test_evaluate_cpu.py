@@ -15,6 +15,7 @@ import pytest
 
 import commweave.evaluate.evaluator as evaluator_module
 from commweave.evaluate import CANDIDATE, EvaluationError, Evaluator, FailureClass, MachineRates, calibrate
+from commweave.evaluate.timing import MAX_BATCH
 from commweave.runtime import WorkerPool
 from toy_workload import (
     ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithUnavailableBaseline, ToyZeroReference,
@@ -165,7 +166,8 @@ def test_work_escaping_the_timed_region_is_suspect(evaluator):
     assert escapes.verdict.failure == FailureClass.SUSPECT, escapes.verdict.message
     assert "not ready at the end of the timed region" in escapes.verdict.message
     assert host.verdict.ok and len(host.per_iter_us) == evaluator.iters
-    assert bench.input_sets == 16  # tiny inputs: the cap on rotating sets
+    assert bench.input_sets == MAX_BATCH["cpu"]  # tiny inputs: room for the largest batch
+    assert 1 <= host.batch <= MAX_BATCH["cpu"] and host.crossing_us >= 0  # the judge's resolution, recorded
     assert_host_still_passes(evaluator)
 
 
@@ -232,7 +234,7 @@ def test_memoising_by_sampled_values_never_hits(evaluator):
 def test_memoising_by_address_fails_the_benchmark(evaluator):
     bench = evaluator.benchmark({"memo": program("memo_by_address"), "host": program("host")}, BENCH_SHAPE)
     memo = bench.programs["memo"].verdict
-    assert memo.failure == FailureClass.WRONG_RESULT and "benchmark iteration" in memo.message, memo.message
+    assert memo.failure == FailureClass.WRONG_RESULT and "benchmark batch" in memo.message, memo.message
     assert bench.programs["host"].verdict.ok and len(bench.programs["host"].per_iter_us) == evaluator.iters
 
 
@@ -294,7 +296,7 @@ def test_the_honest_copy_check_waits_for_evidence():
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_honest_copy_of_the_baseline_measures_one(world):
     """Timed from the judges' side, a program identical to the baseline scores 1.0 within 5 %.
-    Every iteration wakes a program process and its judge, so on a small CPU machine one
+    Every batch wakes a program process and its judge, so on a small CPU machine one
     benchmark's ratio spreads by about 6 % (scheduling, not the judge): benchmarks are repeated
     until the bias is pinned inside (or outside) the tolerance, and after the most of them the
     median ratio decides. Under heavy load the test says so instead of measuring noise."""
@@ -304,7 +306,7 @@ def test_an_honest_copy_of_the_baseline_measures_one(world):
     ratios: list[float] = []
     settled = None
     with WorkerPool(world, device="cpu", job_timeout_s=120, env=worker_env()) as p:
-        evaluator = Evaluator(p, TOY, warmup=5, iters=400)
+        evaluator = Evaluator(p, TOY, warmup=5, iters=40)  # batches of >= 25 ms each
         while settled is None and len(ratios) < HONEST_BENCHMARKS[1]:
             bench = evaluator.benchmark({CANDIDATE: program("host"), "host": program("host")}, BENCH_SHAPE)
             ratios.append(bench.programs["host"].median_us / bench.programs[CANDIDATE].median_us)

@@ -77,6 +77,11 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "read_other_candidates": {F.RUNTIME_ERROR},
     "exit_quietly": {F.RUNTIME_ERROR},
     "close_all_fds": {F.RUNTIME_ERROR},
+    "reduce_payload": {F.RUNTIME_ERROR, F.WRONG_RESULT},
+    "raise_harness_error": {F.RUNTIME_ERROR, F.WRONG_RESULT},
+    "stalled_length_header": {F.TIMEOUT},
+    "oversized_frame": {F.RUNTIME_ERROR},
+    "zeros_then_compute": {F.WRONG_RESULT, F.SUSPECT},
 }
 # Run in the judge's own process, these would kill the test run itself (its parent, its group).
 KILLS_ITS_PARENT = {"kill_parent", "kill_judge_group", "kill_own_group"}
@@ -86,8 +91,10 @@ NEEDS_LANDLOCK = {"write_run_db", "read_run_db", "secret_parent_environ", "secre
                   "parent_fds", "open_parent_mem", "write_outside", "read_other_candidates", "plant_cubin",
                   "read_devices", "ptrace_parent"}
 NEEDS_NETNS = {"socket_exfil"}
+# Hang a judge whose reads have no deadline: the judge itself must report them, no judge restarted.
+STALLS_A_READ = {"stalled_length_header", "oversized_frame"}
 JOB_TIMEOUT_S = 20  # the sleeper waits this long; honest jobs take well under a second here
-HONEST_ITERS = 100
+HONEST_ITERS = 20  # timed batches of >= 25 ms each (a batch replaced ~25 single-call iterations)
 MAX_TIMING_LOAD = 3.0  # runnable processes per core up to which the ~1.0x check is asserted (as in test_evaluate_cpu)
 
 
@@ -137,8 +144,8 @@ def world(tmp_path_factory):
         with WorkerPool(2, device="cpu", job_timeout_s=JOB_TIMEOUT_S,
                         env=worker_env()) as pool:
             evaluator = Evaluator(pool, TOY, warmup=2, iters=10, job_timeout_s=JOB_TIMEOUT_S)
-            # the honest follow-up times more iterations: blocks of a 10-iteration benchmark are
-            # short enough for one burst of another process's load to decide a median
+            # the honest follow-up times more batches: 10 batches are short enough for one burst
+            # of another process's load to decide a median
             honest = Evaluator(pool, TOY, warmup=2, iters=HONEST_ITERS, job_timeout_s=JOB_TIMEOUT_S)
             yield {"evaluator": evaluator, "honest": honest, "db_path": db_path, "outside": outside, "listener": listener,
                    "cache": cache}
@@ -273,6 +280,8 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
         problems.append("the judge's compile cache changed")
     if leftovers:
         problems.append(f"it left processes behind: {leftovers}")
+    if name in STALLS_A_READ and "worker pool was restarted" in said:
+        problems.append(f"it stalled the judge until the pool restarted it: {result.verdict.message}")
     if escaped:
         problems.append(f"it wrote outside its private folder: {escaped}")
     assert not problems, f"{name}: " + "; ".join(problems)

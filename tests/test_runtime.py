@@ -256,9 +256,9 @@ def test_shared_buffers_reach_another_process_by_fd_only():
     """The judge's block travels as a memfd over a unix socket: the other process's writes land in
     the judge's tensors, and no name exists anyone else could open."""
     import socket
-    from multiprocessing.connection import Connection
 
     from commweave.runtime.shared_buffers import ALIGN, SharedBuffers, receive_buffers
+    from commweave.runtime.wire import MAX_PROGRAM_FRAME, Channel
 
     specs = {"in0.a": ((3, 5), torch.float32), "in0.b": ((7,), torch.int64), "out": ((4, 4), torch.bfloat16)}
     buffers = SharedBuffers(specs, torch.device("cpu"))
@@ -269,23 +269,55 @@ def test_shared_buffers_reach_another_process_by_fd_only():
     if pid == 0:  # the other process: doubles a, writes out, answers
         code = 1
         try:
-            conn = Connection(theirs.detach())
+            conn = Channel(theirs, MAX_PROGRAM_FRAME)
             tensors, keep = receive_buffers(conn)
             tensors["out"].fill_(float(tensors["in0.a"].sum()))
             tensors["in0.b"].fill_(-3)
-            conn.send("done")
+            conn.send({"ok": "done"})
             code = 0
         finally:
             os._exit(code)
-    conn = Connection(ours.detach())
-    buffers.send(conn, pid)
-    assert conn.recv() == "done"
+    conn = Channel(ours, MAX_PROGRAM_FRAME)
+    buffers.send(conn)
+    assert conn.receive(30.0) == {"ok": "done"}
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert torch.equal(buffers.tensors["out"], torch.full((4, 4), 105.0, dtype=torch.bfloat16))
     assert torch.equal(buffers.tensors["in0.b"], torch.full((7,), -3, dtype=torch.int64))
     assert not any("commweave-buffers" in name for name in os.listdir("/dev/shm"))
     buffers.close()
+
+
+def test_the_wire_carries_json_only_under_a_cap_and_a_deadline():
+    """A reader with a deadline returns on time on half a frame (and finishes it later); a pickle,
+    a JSON value that is not an object, and a header over the cap are refused, never run."""
+    import pickle
+    import socket
+    import time
+
+    from commweave.runtime.wire import Channel, WireError
+
+    ours, theirs = socket.socketpair()
+    judge, program = Channel(ours, 64), Channel(theirs, 1 << 20)
+    program.send({"ok": [1, "x", None]})
+    assert judge.receive(1.0) == {"ok": [1, "x", None]}
+    body = b'{"ok":2}'
+    theirs.sendall(struct.pack("!I", len(body)) + body[:3])
+    began = time.monotonic()
+    assert judge.receive(0.2) is None and time.monotonic() - began < 1.0
+    theirs.sendall(body[3:])
+    assert judge.receive(1.0) == {"ok": 2}
+    for frame in (pickle.dumps(("ok", None)), b"[1, 2]", b"NaN"):
+        theirs.sendall(struct.pack("!I", len(frame)) + frame)
+        with pytest.raises(WireError):
+            judge.receive(1.0)
+    theirs.sendall(struct.pack("!I", 65))
+    with pytest.raises(WireError, match="exceeds the cap"):
+        judge.receive(1.0)
+    program.close()
+    with pytest.raises(EOFError):
+        Channel(ours, 64).receive(1.0)
+    judge.close()
 
 
 def test_confinement_a_program_cannot_start_under_is_given_up_with_a_warning(monkeypatch):

@@ -43,10 +43,11 @@ class ToyGatherMatmul(Workload):
         return self.make_shape(*(int(g) for g in match.groups()))
 
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed * 1009 + rank)
-        a = torch.randn(shape["M"], shape["K"], generator=gen)
-        b = torch.randn(shape["K"], shape["N"], generator=gen)
-        return {"a": a.to(device), "b": b.to(device)}
+        # drawn on the device itself: the judge draws fresh inputs for every call of a timed batch
+        gen = torch.Generator(device=device).manual_seed(seed * 1009 + rank)
+        a = torch.randn(shape["M"], shape["K"], generator=gen, device=device)
+        b = torch.randn(shape["K"], shape["N"], generator=gen, device=device)
+        return {"a": a, "b": b}
 
     def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
         return torch.empty(world_size * shape["M"], shape["N"], device=device)

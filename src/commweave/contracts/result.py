@@ -27,6 +27,10 @@ class ProgramTiming:
     #: GPUs only: device memory the program holds after setup plus what a call adds at its peak,
     #: the largest over ranks (inputs and the output, which the harness owns, not counted)
     memory_bytes: int | None = None
+    #: the judge's resolution: calls per timed batch, and what a batch costs beyond its calls
+    #: (request, answer, events; the largest over ranks), in microseconds
+    batch: int | None = None
+    crossing_us: float | None = None
 
 
 @dataclass

@@ -196,6 +196,9 @@ class Evaluator:
         timing = summarize(name, verdict, [r.times[name] for r in ranks])
         if all(name in r.memory for r in ranks):
             timing.memory_bytes = max(r.memory[name] for r in ranks)
+        if all(name in r.batch for r in ranks):
+            timing.batch = ranks[0].batch[name]
+            timing.crossing_us = max(r.crossing[name] for r in ranks) * 1e6
         if verdict.ok:
             timing.verdict = below_floor(timing.median_us * 1e-6, floor) or verdict
         return timing

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import random
 import secrets
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,18 +34,21 @@ import torch
 import torch.distributed as dist
 
 from commweave.contracts.context import ProgramContext
-from commweave.contracts.poison import poison_
+from commweave.contracts.poison import poison_, poisoned_mask
 from commweave.contracts.profile import H200
 from commweave.contracts.verdict import FailureClass, HarnessError, Verdict, WorkloadError
 from commweave.contracts.workload import Shape, Workload
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
 from commweave.evaluate.runner import WorkEscapedStream
-from commweave.evaluate.timing import VERIFY_ONE_IN, input_sets_for, interleaved_schedule
+from commweave.evaluate.timing import (
+    BATCH_BYTES, BATCH_MEMORY_SHARE, PROBE_BATCHES, VERIFY_PER_BATCH, batch_capacity, batch_size, interleaved_schedule,
+)
 from commweave.runtime.candidate import (
     ProgramProcess, ProgramStartError, confinement, make_rendezvous, remove_rendezvous,
 )
 from commweave.runtime.pool import is_sticky_cuda_error, resolve_function
 from commweave.runtime.shared_buffers import SharedBuffers
+from commweave.runtime.wire import WireError, decode_bytes, encode_bytes
 
 SERVE = "commweave.evaluate.runner:serve"
 _GROUP: Any = None  # this judge's harness group, created by the first job every rank runs
@@ -176,12 +182,19 @@ class _Program:
         self.peers_failed = False
         self.active = True
         self.buffers: SharedBuffers | None = None
-        self.inputs: list[dict[str, torch.Tensor]] = []
+        self.inputs: list[dict[str, torch.Tensor]] = []  # input set i: call i of a batch reads it
+        self.outs: list[torch.Tensor] = []  # output i: call i of a batch writes it
+        self.input_span: torch.Tensor | None = None  # every input set's bytes (uint8), one view
+        self.set_stride = 0  # bytes from one input set to the next in input_span
+        self.out_rows: torch.Tensor | None = None  # [sets, padded output]: every output, one view to poison
+        self.staging: torch.Tensor | None = None  # GPUs: the judge's private copy of input_span, filled first
+        self.staging_sets: list[dict[str, torch.Tensor]] = []
         self.go: Any = None
         self.done: Any = None
         self.proc = ProgramProcess.spawn(rank=self.ctx.rank, world_size=self.ctx.world_size,
                                          device=self.ctx.device.type, rendezvous=rendezvous, serve=SERVE,
                                          rules=confinement(self.ctx.device.type, SERVE))
+        self.proc.stop_at_reply = not self.ctx.is_cuda
         job.programs.append(self)
 
     def await_ready(self) -> None:
@@ -217,14 +230,20 @@ class _Program:
         return not self.peers_failed
 
     # -- requests ---------------------------------------------------------------------------------
-    def call(self, what: str, message: tuple, then: Callable[[], None] | None = None) -> Any:
-        """One request; a failure becomes this rank's verdict and None is returned."""
+    def call(self, what: str, op: str, *args: Any, then: Callable[[], None] | None = None,
+             expect: tuple[type, ...] = (type(None),)) -> Any:
+        """One request `op(*args)` whose answer must be of a type in `expect`; a failure becomes
+        this rank's verdict and None is returned."""
         began = time.monotonic()
-        reply = self.proc.request(message, self.job.deadline, self.job.abort_flag(self.name), then)
+        reply = self.proc.request({"op": op, "args": list(args)}, self.job.deadline, self.job.abort_flag(self.name),
+                                  then, expect)
         if reply.status == "ok":
             return reply.value
         if reply.status == "aborted":
             self.aborted = True
+        elif reply.status == "invalid":
+            self.fail(FailureClass.RUNTIME_ERROR, f"{what}: rank {self.ctx.rank}'s program process broke the "
+                                                  f"judge's wire: {reply.message}")
         elif reply.status == "error":
             text = f"{what} raised {reply.error_type}: {reply.message}"
             if reply.error_type == WorkEscapedStream.__name__:
@@ -250,47 +269,62 @@ class _Program:
             raise HarnessError(located) from exc
 
     def load(self) -> None:
-        reason = self.call("loading the program", ("load", self.text, self.name))
+        reason = self.call("loading the program", "load", self.text, self.name, expect=(str, type(None)))
         if self.ok and reason:
             self.fail(FailureClass.UNAVAILABLE, reason)
 
     def setup(self, wl: Workload, shape: Shape, sets: list[dict[str, torch.Tensor]]) -> int | None:
         """setup() in the program process, then the judge's buffers shared with it: `sets` input
-        sets laid out like the given tensors, and the output. Returns the bytes setup holds."""
+        sets laid out like the given tensors, then as many outputs (one per call of a batch), each
+        view aligned. Returns the bytes setup holds."""
         symmetric = _symmetric_bytes(self.ctx, wl, shape) if wl.symmetric_output and self.ctx.is_cuda else 0
-        held = self.call("setup()", ("setup", shape, symmetric))
+        held = self.call("setup()", "setup", shape.label, dict(shape.params), symmetric, expect=(int,))
         if not self.agree():
             return None
         like = wl.make_output(shape, self.ctx.world_size, self.ctx.rank, torch.device("meta"))
         specs = {f"in{i}.{k}": (tuple(v.shape), v.dtype) for i, inputs in enumerate(sets) for k, v in inputs.items()}
-        specs["out"] = (tuple(like.shape), like.dtype)
+        specs.update({f"out{i}": (tuple(like.shape), like.dtype) for i in range(len(sets))})
         self.buffers = self.harness("sharing buffers", SharedBuffers, specs, self.ctx.device)
         self.inputs = [{k: self.buffers.tensors[f"in{i}.{k}"] for k in inputs} for i, inputs in enumerate(sets)]
+        self.outs = [self.buffers.tensors[f"out{i}"] for i in range(len(sets))]
+        keys = list(sets[0])
+        self.input_span = self.buffers.span(f"in0.{keys[0]}", f"in{len(sets) - 1}.{keys[-1]}")
+        self.set_stride = (self.inputs[1][keys[0]].data_ptr() - self.inputs[0][keys[0]].data_ptr() if len(sets) > 1
+                           else self.input_span.numel())
+        first = self.outs[0].data_ptr() - self.buffers.block.data_ptr()
+        stride = self.outs[1].data_ptr() - self.outs[0].data_ptr() if len(sets) > 1 else self.buffers.nbytes - first
+        self.out_rows = (self.buffers.block[first:first + len(sets) * stride].view(like.dtype)
+                         .view(len(sets), stride // like.element_size()))
+        if self.ctx.is_cuda:
+            self.staging = torch.empty_like(self.input_span)
+            self.staging_sets = [{k: self.staging[t.data_ptr() - self.input_span.data_ptr():][:t.numel() * t.element_size()]
+                                  .view(t.dtype).view(t.shape) for k, t in inputs.items()} for inputs in self.inputs]
         handle = None
         if self.ctx.is_cuda:
             self.go = torch.cuda.Event(interprocess=True)
-            handle = self.go.ipc_handle()
-        done = self.call("receiving the buffers", ("buffers", handle),
-                         then=lambda: self.buffers.send(self.proc.conn, self.proc.pid))
+            handle = encode_bytes(self.go.ipc_handle())
+        done = self.call("receiving the buffers", "buffers", handle, then=lambda: self.buffers.send(self.proc.conn),
+                         expect=(str,) if self.ctx.is_cuda else (type(None),))
         if self.ok and self.ctx.is_cuda:
-            self.done = torch.cuda.Event.from_ipc_handle(self.ctx.device, done)
+            try:
+                self.done = torch.cuda.Event.from_ipc_handle(self.ctx.device, decode_bytes(done))
+            except (WireError, RuntimeError) as exc:
+                self.fail(FailureClass.RUNTIME_ERROR, f"its 'done' event handle cannot be opened: {exc}")
         return held
 
-    @property
-    def out(self) -> torch.Tensor:
-        return self.buffers.tensors["out"]
-
-    def fill(self, index: int, values: dict[str, torch.Tensor]) -> None:
-        """Write `values` into input set `index` (the judge's buffers)."""
+    def fill(self, index: int, values: dict[str, torch.Tensor], staged: bool = False) -> None:
+        """Write `values` into input set `index` (the judge's shared buffers), or with `staged`
+        into its private staging copy (GPUs: copied into the shared sets behind the timer's hold)."""
         for k, v in values.items():
-            self.inputs[index][k].copy_(v)
+            (self.staging_sets if staged else self.inputs)[index][k].copy_(v)
 
-    def run(self, index: int, mode: str) -> bool:
-        """An untimed run on input set `index` (output poisoned first); True if it answered."""
-        poison_(self.out)
+    def run(self) -> bool:
+        """An untimed call on input set 0 into output 0 (poisoned first), the stream-order check
+        included; True if it answered."""
+        poison_(self.outs[0])
         if self.ctx.is_cuda:
             self.go.record()
-        self.call("run()", ("run", index, mode))
+        self.call("run()", "batch", 1, True)
         return self.ok
 
     def close(self, blame: bool = True) -> None:
@@ -315,10 +349,10 @@ class _Program:
 def _finish(program: _Program, teardown: bool) -> None:
     """teardown() where every rank may run it, then exit; the processes are killed either way."""
     if teardown and program.agree():
-        program.call("teardown()", ("teardown",))
+        program.call("teardown()", "teardown")
         program.agree()
     if program.ok:
-        program.proc.request(("exit",), min(program.job.deadline, time.monotonic() + 5.0), lambda: False)
+        program.proc.request({"op": "exit", "args": []}, min(program.job.deadline, time.monotonic() + 5.0), lambda: False)
     program.close()
 
 
@@ -367,54 +401,62 @@ def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]
         fresh = first if seed == seeds[0] else program.harness(
             "make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, seed, ctx.device)
         program.fill(0, fresh)
-        program.run(0, "check")
+        program.run()
         if program.agree():  # a rank whose run failed explains its peers' outputs: judge none then
-            failure = _judge_run(wl, program, shape, seed, program.inputs[0], fresh, "")
+            failure = _judge_run(wl, program, shape, seed, program.inputs[0], fresh, program.outs[0], "")
             if failure is not None:
                 program.fail(failure.failure, failure.message)
         if not program.agree():
             return False
     program.seed = None
-    program.call("teardown()", ("teardown",))  # a collective teardown stays matched: every rank set up
+    program.call("teardown()", "teardown")  # a collective teardown stays matched: every rank set up
     return program.agree()
 
 
 def _judge_run(wl: Workload, program: _Program, shape: Shape, seed: int, inputs: dict[str, torch.Tensor],
-               pristine: dict[str, torch.Tensor], when: str) -> Verdict | None:
-    """Inputs unchanged, then the output against the reference of `seed` (all in the judge): the
-    failure found, or None."""
+               pristine: dict[str, torch.Tensor], out: torch.Tensor, when: str) -> Verdict | None:
+    """Inputs unchanged, then the output `out` against the reference of `seed` (all in the judge):
+    the failure found, or None."""
     ctx = program.ctx
     changed = program.harness("comparing inputs", modified_inputs, inputs, pristine)
     if changed:
         return program.located(FailureClass.WRONG_RESULT, f"{when}input {', '.join(map(repr, changed))} was modified")
     ref = program.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, seed, ctx.device)
     untouched = program.harness("untouched()", wl.untouched, shape, ctx.world_size, ctx.rank, seed, ctx.device)
-    verdict = program.harness("judging the output", judge_output, program.out, ref, wl.tolerance(), untouched)
+    verdict = program.harness("judging the output", judge_output, out, ref, wl.tolerance(), untouched)
     return None if verdict.ok else program.located(verdict.failure, f"{when}{verdict.message}")
 
 
 # -- benchmark ------------------------------------------------------------------------------------
+HOLD_S = 0.25  # GPUs: the longest the judge's stream waits for a batch to be queued behind its hold
+
+
 @dataclass
 class RankBench:
-    """One rank's benchmark: seconds per timed iteration, and a verdict, per program."""
+    """One rank's benchmark: per program, seconds per call of each timed batch, and a verdict."""
 
-    input_sets: int = 0
+    input_sets: int = 0  # input sets (and outputs) each program had: the largest batch there was room for
     times: dict[str, list[float]] = field(default_factory=dict)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)  # CUDA: bytes a program holds plus its peak in a call
     phases: dict[str, float] = field(default_factory=dict)
-    verified: dict[str, int] = field(default_factory=dict)  # timed iterations whose output was judged
+    verified: dict[str, int] = field(default_factory=dict)  # timed calls whose output was judged
+    batch: dict[str, int] = field(default_factory=dict)  # calls per timed batch
+    #: seconds a batch costs beyond its calls (the judge's resolution): a one-call batch's time
+    #: minus the per-call time of full batches, from the probe
+    crossing: dict[str, float] = field(default_factory=dict)
 
 
 def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
                    budget_s: float) -> RankBench:
     """Time `programs` side by side on `shape`, each in program processes of its own: set each up
-    once, rotate input sets (past 2x L2), warm up on every set (at least `warmup` iterations),
-    then interleave timed iterations round-robin. Every timed iteration runs on new random values
-    the judges drew after setup, written into its set only once the timer's hold is in place (on
-    GPUs behind the gate, then the L2 flushed), so no program sees them before its timed call;
-    the output of a random subset of timed iterations, which the program cannot predict, and of
-    its last, is judged against the reference."""
+    once with room for a batch of calls (input sets and outputs, memory-bounded), probe it with
+    one-call batches, size its batch to last `BATCH_TARGET_S` over `warmup` (at least 2) warm-up
+    batches, then alternate `iters` timed batches between the programs. Every call of every batch
+    runs on new random values the judge drew after setup, written into its set only once the
+    program cannot run (on CPU stopped, on GPUs behind the timer's hold, then the L2 flushed); every
+    output of a timed batch is checked for poison, and a random subset the program cannot predict
+    is judged against the reference."""
     wl = resolve_workload(workload)
     job = _Job(ctx, budget_s)
     result = RankBench()
@@ -426,9 +468,20 @@ def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str],
     return result
 
 
+@dataclass
+class _Batch:
+    """One batch as the judge ran it: seconds (judge's clock), and per call its seed and mask."""
+
+    seconds: float
+    seeds: list[int]
+    untouched: list[torch.Tensor | None]
+    unready: int  # outputs with poison (or non-finite values) left when the timer stopped
+
+
 def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
            result: RankBench) -> None:
     ctx = job.ctx
+    device = ctx.device.type
     started = job.start(programs, shape.label)
     began = time.perf_counter()
     for program in started.values():
@@ -438,79 +491,112 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
     first = next((p for p in started.values() if p.ok), None)
     if first is not None:
         probe = first.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, 0, ctx.device)
-    count = _input_set_count(job, probe)
-    result.input_sets = count
-    warm = max(warmup, count)
-    seeds = _fresh_seeds(job, list(programs), iters + count + warm)
+    capacity = _batch_capacity(job, wl, shape, probe, len(programs))
+    result.input_sets = capacity
+    seeds = _SeedStream(job)
     for name, program in started.items():
         if program.ok:
-            held = program.setup(wl, shape, [probe] * count)
+            held = program.setup(wl, shape, [probe] * capacity)
             if program.ok and held is not None:
                 result.memory[name] = held
-                for index in range(count):  # warm-up values: never those of a timed iteration
-                    program.fill(index, _draw(wl, program, shape, seeds[name][iters + index])[0])
         program.agree()
     active = {name: p for name, p in started.items() if p.ok}
     if ctx.is_cuda:
         for name, program in active.items():
+            program.fill(0, _draw(wl, program, shape, seeds.next(name))[0])
             program.go.record()
-            peak = program.call("memory measurement", ("memory", 0))
+            peak = program.call("memory measurement", "memory", expect=(int,))
             if program.agree():
                 result.memory[name] += peak
     else:
         result.memory.clear()  # host memory is not measured
     job.add("setup", time.perf_counter() - began)
     began = time.perf_counter()
-    for name, i in interleaved_schedule(list(active), warm):  # fresh values here too: none comes up twice
-        program = active[name]
-        if program.active and _still_ok(program):
-            program.fill(i % count, _draw(wl, program, shape, seeds[name][iters + count + i])[0])
-            program.run(i % count, "warm")
     flush = _l2_flush_buffer(ctx)
+    one_call: dict[str, list[float]] = {name: [] for name in active}
+    for name, _ in interleaved_schedule(list(active), PROBE_BATCHES):
+        batch = _run_batch(wl, active[name], shape, 1, seeds, flush)
+        if batch is not None:
+            one_call[name].append(batch.seconds)
+    size = {name: _agreed_size(job, batch_size(min(t, default=0.0), capacity, device)) for name, t in one_call.items()}
+    per_call: dict[str, float] = {}
+    for name, _ in interleaved_schedule(list(active), max(warmup, 2)):
+        if not active[name].active:
+            continue
+        batch = _run_batch(wl, active[name], shape, size[name], seeds, flush)
+        if not active[name].active:  # turned off on every rank alike
+            continue
+        if batch is not None:
+            per_call[name] = batch.seconds / size[name]
+        size[name] = _agreed_size(job, batch_size(per_call[name], capacity, device) if batch else size[name])
+    one_call = {name: [] for name in active}  # once warm: what a batch costs beyond its calls
+    for name, _ in interleaved_schedule(list(active), PROBE_BATCHES):
+        batch = _run_batch(wl, active[name], shape, 1, seeds, flush)
+        if batch is not None:
+            one_call[name].append(batch.seconds)
+    crossing = _largest(job, {n: max(0.0, statistics.median(one_call[n]) - per_call[n])
+                              if one_call[n] and n in per_call else 0.0 for n in active})
+    job.add("warmup", time.perf_counter() - began)
+    began = time.perf_counter()
     unready = {name: 0 for name in active}
     verifying = 0.0
     for name, i in interleaved_schedule(list(active), iters):
         program = active[name]
-        if not program.active:
+        batch = _run_batch(wl, program, shape, size[name], seeds, flush)
+        if batch is None:
             continue
+        result.times.setdefault(name, []).append(batch.seconds / size[name])
+        unready[name] += batch.unready
         t0 = time.perf_counter()
-        values, untouched = _draw(wl, program, shape, seeds[name][i])
-        verifying += time.perf_counter() - t0
-        if not _still_ok(program):
-            continue
-        index = i % count
-        seconds, ready = _timed(program, index, values, untouched, flush)
-        if seconds is None:
-            continue
-        result.times.setdefault(name, []).append(seconds)
-        unready[name] += not ready
-        if ready and (i == iters - 1 or secrets.randbelow(VERIFY_ONE_IN) == 0):
-            t0 = time.perf_counter()
-            program.seed = seeds[name][i]
-            failure = _judge_run(wl, program, shape, seeds[name][i], program.inputs[index], values,
-                                 f"benchmark iteration {i}: ")
+        picked = random.SystemRandom().sample(range(size[name]), min(VERIFY_PER_BATCH, size[name]))
+        for call in picked if not batch.unready else []:
+            program.seed = batch.seeds[call]
+            pristine = program.staging_sets[call] if ctx.is_cuda else _draw(wl, program, shape, batch.seeds[call])[0]
+            failure = _judge_run(wl, program, shape, batch.seeds[call], program.inputs[call], pristine,
+                                 program.outs[call], f"benchmark batch {i}, call {call}: ")
             program.judged = program.judged or failure
             program.seed = None
             result.verified[name] = result.verified.get(name, 0) + 1
-            verifying += time.perf_counter() - t0
+        verifying += time.perf_counter() - t0
     job.add("timing", time.perf_counter() - began - verifying)
     job.add("checks", verifying)
     for name, program in started.items():
-        timed = name in active and program.active and _still_ok(program)  # every rank timed every iteration
+        timed = name in active and program.active and _still_ok(program)  # every rank timed every batch
         _finish(program, teardown=timed)
         if timed and program.verdict.ok and unready[name]:
             program.verdict = program.located(FailureClass.SUSPECT, f"output not ready at the end of the timed region "
-                                                                    f"in {unready[name]} of {iters} iterations")
+                                                                    f"in {unready[name]} of {iters * size[name]} calls")
         if timed and program.verdict.ok and program.judged is not None:
             program.verdict = program.judged
         result.verdicts[name] = program.verdict
-        if not timed:
+        if timed:
+            result.batch[name], result.crossing[name] = size[name], crossing[name]
+        else:
             result.times.pop(name, None)
 
 
+def _run_batch(wl: Workload, program: _Program, shape: Shape, count: int, seeds: _SeedStream,
+               flush: torch.Tensor | None) -> _Batch | None:
+    """Collective: one batch of `count` calls on fresh values (a probe, warm-up or timed batch
+    alike, so no program can tell them apart), or None when the program is out (then, or now)."""
+    if not program.active or not _still_ok(program):
+        return None
+    drawn, masks = [], []
+    for index in range(count):  # CPU: the program is stopped; GPUs: into the judge's private staging
+        seed = seeds.next(program.name)
+        values, untouched = _draw(wl, program, shape, seed)
+        program.fill(index, values, staged=program.ctx.is_cuda)
+        drawn.append(seed)
+        masks.append(untouched)
+    timed = _timed(program, count, masks, flush)
+    if timed is None:
+        return None
+    return _Batch(timed[0], drawn, masks, timed[1])
+
+
 def _still_ok(program: _Program) -> bool:
-    """Collective (lines the ranks up before an iteration): False, and the program's processes
-    killed on every rank, once any rank's run of it failed."""
+    """Collective (lines the ranks up before a batch): False, and the program's processes killed
+    on every rank, once any rank's run of it failed."""
     if program.agree():
         return True
     program.active = False
@@ -518,21 +604,61 @@ def _still_ok(program: _Program) -> bool:
     return False
 
 
-def _input_set_count(job: _Job, probe: dict[str, torch.Tensor] | None) -> int:
-    """Every rank uses the same count of rotating sets."""
-    size = sum(t.numel() * t.element_size() for t in probe.values()) if probe is not None else 1
-    count = torch.tensor([input_sets_for(size)])
+def _batch_capacity(job: _Job, wl: Workload, shape: Shape, probe: dict[str, torch.Tensor] | None, programs: int) -> int:
+    """Calls a batch has room for, the same on every rank: a call's inputs and output (twice on
+    GPUs: the judge's staging copy and the program's stream-order snapshot) within the memory
+    budget of one program."""
+    ctx = job.ctx
+    device = ctx.device.type
+    capacity = 1
+    if probe is not None:
+        like = wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta"))
+        call = sum(t.numel() * t.element_size() for t in probe.values()) + like.numel() * like.element_size()
+        budget = BATCH_BYTES[device]
+        if ctx.is_cuda:
+            call *= 2
+            budget = min(budget, int(BATCH_MEMORY_SHARE * torch.cuda.mem_get_info(ctx.device)[0] / max(1, programs)))
+        capacity = batch_capacity(call, budget, device)
+    count = torch.tensor([capacity])
     dist.all_reduce(count, op=dist.ReduceOp.MIN, group=job.group)
     return int(count.item())
 
 
-def _fresh_seeds(job: _Job, names: list[str], count: int) -> dict[str, list[int]]:
-    """Per program, `count` seeds (one per timed iteration, then per input set, then per warm-up
-    iteration): drawn by rank 0's judge after the programs started, from the OS's randomness, the
-    same on every rank."""
-    drawn = [{n: [secrets.randbelow(1 << 40) for _ in range(count)] for n in names} if job.ctx.rank == 0 else None]
-    dist.broadcast_object_list(drawn, src=0, group=job.group)
-    return drawn[0]
+def _agreed_size(job: _Job, size: int) -> int:
+    """Collective: the smallest batch any rank proposes (every rank's program must make the same calls)."""
+    if job.ctx.world_size == 1:
+        return size
+    smallest = torch.tensor([size], dtype=torch.int64)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=job.group)
+    return int(smallest.item())
+
+
+def _largest(job: _Job, values: dict[str, float]) -> dict[str, float]:
+    """Collective: per name, the largest value over ranks."""
+    names = sorted(values)
+    found = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    if job.ctx.world_size > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=job.group)
+    return dict(zip(names, found.tolist()))
+
+
+class _SeedStream:
+    """Per program, an endless stream of input seeds: a keyed hash of a counter, the 128-bit key
+    drawn by rank 0's judge from the OS's randomness after the programs started and shared with
+    the other judges (so every rank draws the same seeds). No program sees a seed; each call,
+    probe, warm-up or timed, gets one never used before."""
+
+    def __init__(self, job: _Job):
+        drawn = [secrets.token_bytes(16) if job.ctx.rank == 0 else None]
+        dist.broadcast_object_list(drawn, src=0, group=job.group)
+        self._key = drawn[0]
+        self._count: dict[str, int] = {}
+
+    def next(self, name: str) -> int:
+        n = self._count.get(name, 0)
+        self._count[name] = n + 1
+        digest = hashlib.blake2b(f"{name}\0{n}".encode(), key=self._key, digest_size=5).digest()
+        return int.from_bytes(digest, "big")
 
 
 def _draw(wl: Workload, program: _Program, shape: Shape, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -544,52 +670,67 @@ def _draw(wl: Workload, program: _Program, shape: Shape, seed: int) -> tuple[dic
 
 
 def _l2_flush_buffer(ctx: ProgramContext) -> torch.Tensor | None:
-    """GPUs: 2x L2 of scratch the judge zeroes before each timed run, so inputs written just before
-    it are not served from cache."""
+    """GPUs: 2x L2 of scratch the judge zeroes before each timed batch, so inputs written just
+    before it are not served from cache."""
     if not ctx.is_cuda:
         return None
     return torch.empty(2 * H200.l2_bytes, dtype=torch.uint8, device=ctx.device)
 
 
-def _timed(program: _Program, index: int, values: dict[str, torch.Tensor], untouched: torch.Tensor | None,
-           flush: torch.Tensor | None) -> tuple[float | None, bool]:
-    """One timed run on input set `index`, which gets `values` only now, measured by the judge:
-    (seconds, output ready when the timer stopped), or (None, False) when the run failed.
-    CPU: the wall time of the round trip (request, run, answer). GPUs: CUDA events on the judge's
-    stream, held until the run is queued (`hold_stream`); behind the hold the judge writes the
-    values, poisons the output and flushes L2, lines the GPUs up (device barrier), records its
-    start event and the 'go' event the program's stream waits for; its end event waits for the
-    program's 'done' event, and the output is checked for poison right after it."""
+def _unready(program: _Program, count: int, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """How many of the first `count` outputs still hold poison (or non-finite values) where the
+    program must write: a 0-dim tensor on the output's device (no sync)."""
+    rows = program.out_rows[:count]  # padded rows: the padding is poison, never looked at
+    if all(m is None for m in masks):
+        return (poisoned_mask(rows) | ~torch.isfinite(rows))[:, :program.outs[0].numel()].any(dim=1).sum()
+    return sum(not_ready(program.outs[i], masks[i]).int() for i in range(count))
+
+
+def _timed(program: _Program, count: int, masks: list[torch.Tensor | None],
+           flush: torch.Tensor | None) -> tuple[float, int] | None:
+    """One batch of `count` calls (input sets already written on CPU, staged on GPUs) timed by the
+    judge: (seconds, outputs not ready when the timer stopped), or None when it failed.
+    CPU: wall time from the request to the moment the answer arrived (the program is stopped then,
+    before anything is read). GPUs: CUDA events on the judge's stream, held until the batch is
+    queued (`hold_stream`); behind the hold the judge copies the staged values into the sets,
+    poisons the outputs and flushes L2, lines the GPUs up (device barrier), records its start event
+    and the 'go' event the program's stream waits for; its end event waits for the program's
+    'done' event, the outputs are checked for poison right after it, and then (untimed) the
+    program's stream-order check runs."""
     ctx = program.ctx
     if not ctx.is_cuda:
-        program.fill(index, values)
-        poison_(program.out)
+        poison_(program.out_rows[:count])
         began = time.perf_counter()
-        program.call("run()", ("run", index, "timed"))
-        seconds = time.perf_counter() - began
+        program.call("run()", "batch", count, False)
         if not program.ok:
-            return None, False
-        return seconds, not bool(not_ready(program.out, untouched))
+            return None
+        seconds = program.proc.replied_at - began
+        return seconds, int(_unready(program, count, masks))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    release = ctx.hold_stream()
-    program.fill(index, values)
-    poison_(program.out)
+    release = ctx.hold_stream(timeout_s=HOLD_S)
+    span = min(program.set_stride * count, program.input_span.numel())
+    program.input_span[:span].copy_(program.staging[:span])
+    poison_(program.out_rows[:count])
     flush.zero_()
     if ctx.world_size > 1:
         ctx.device_barrier()
     start.record()
     program.go.record()
-    program.call("run()", ("run", index, "timed"))
+    program.call("run()", "batch", count, False)
     if not program.ok:
         release()
         torch.cuda.synchronize(ctx.device)
-        return None, False
+        return None
     torch.cuda.current_stream(ctx.device).wait_event(program.done)
     end.record()
     release()
-    unready = not_ready(program.out, untouched)
+    unready = _unready(program, count, masks)
     torch.cuda.synchronize(ctx.device)
-    return start.elapsed_time(end) * 1e-3, not bool(unready)
+    seconds = start.elapsed_time(end) * 1e-3
+    program.call("the stream-order check", "settle")
+    if not program.ok:
+        return None
+    return seconds, int(unready)
 
 
 # -- calibration ----------------------------------------------------------------------------------

@@ -2,18 +2,18 @@
 
 It loads one program and, on the judge's requests, sets it up, runs it on the judge's shared
 buffers, and tears it down. Nothing here is trusted: a candidate may patch any of it, and the
-judge assumes so (it writes the inputs, poisons and reads the output, and times from its own
-side). Requests: ('load', text, name) -> reason it cannot run or None; ('setup', shape,
-symmetric_bytes) -> bytes it holds (GPUs); ('buffers',) then the block (shared_buffers) -> the
-IPC handle of its 'done' event (GPUs); ('run', set, mode) with mode 'check', 'warm' or 'timed';
-('memory', set) -> bytes two calls add at their peak (GPUs); ('teardown',); ('exit',).
-Answers: ('ok', value) or ('error', type, message, traceback).
+judge assumes so (it writes the inputs, poisons and reads the output, times from its own side,
+and parses what comes back as data under a schema: runtime/wire.py). Requests are JSON objects
+{"op": ..., "args": [...]}: load (text, name) -> reason it cannot run or None; setup (label,
+params, symmetric_bytes) -> bytes it holds (GPUs); buffers (go handle, base64) then the block
+(shared_buffers) -> the base64 IPC handle of its 'done' event (GPUs); batch (count, settle): calls
+on input sets and outputs 0..count-1, timed or not (it is never told); settle: the stream-order
+check of the last batch (GPUs); memory -> bytes two calls add at their peak (GPUs); teardown; exit. Answers: {"ok": value} or {"error": {"type", "message", "traceback"}}.
 """
 
 from __future__ import annotations
 
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -21,8 +21,11 @@ import torch
 from commweave.contracts.context import ProgramContext
 from commweave.contracts.poison import poison_
 from commweave.contracts.program import load_program, unavailable_reason
+from commweave.contracts.workload import Shape
+from commweave.runtime.candidate import MESSAGE_CHARS, TRACEBACK_CHARS
 from commweave.runtime.pool import is_sticky_cuda_error
 from commweave.runtime.shared_buffers import receive_buffers
+from commweave.runtime.wire import Channel, decode_bytes, encode_bytes
 
 
 def held_bytes(ctx: ProgramContext) -> int:
@@ -44,11 +47,14 @@ class _Served:
         self.program: Any = None
         self.state: Any = None
         self.inputs: list[dict[str, torch.Tensor]] = []
-        self.out: torch.Tensor | None = None
+        self.outs: list[torch.Tensor] = []
+        self.out_bytes: torch.Tensor | None = None  # GPUs: every output's bytes, one view of the block
+        self.out_stride = 0  # bytes from one output to the next in out_bytes
+        self.written = 0  # bytes of out_bytes the last batch wrote (the stream-order check's span)
         self.symmetric: torch.Tensor | None = None  # the output window a symmetric-output workload gets
         self.go: Any = None
         self.done: Any = None
-        self.snapshot: torch.Tensor | None = None  # the output as the current stream left it (GPUs)
+        self.snapshot: torch.Tensor | None = None  # the outputs as the current stream left them (GPUs)
         self._keep: Any = None
 
     def load(self, text: str, name: str) -> str | None:
@@ -62,62 +68,83 @@ class _Served:
         self.state = self.program.setup(self.ctx, shape)
         return held_bytes(self.ctx) - before
 
-    def buffers(self, conn: Connection, go_handle: bytes | None) -> bytes | None:
+    def buffers(self, conn: Channel, go_handle: bytes | None) -> bytes | None:
+        """The judge's block: input sets in{i}.<key> and outputs out{i}, call i of a batch using both."""
         tensors, self._keep = receive_buffers(conn)
-        self.out = tensors.pop("out")
         sets: dict[int, dict[str, torch.Tensor]] = {}
+        outs: dict[int, torch.Tensor] = {}
         for key, tensor in tensors.items():
-            index, _, name = key.partition(".")
-            sets.setdefault(int(index[2:]), {})[name] = tensor
+            if key.startswith("out"):
+                outs[int(key[3:])] = tensor
+            else:
+                index, _, name = key.partition(".")
+                sets.setdefault(int(index[2:]), {})[name] = tensor
         self.inputs = [sets[i] for i in sorted(sets)]
+        self.outs = [outs[i] for i in sorted(outs)]
+        if len(self.outs) != len(self.inputs):
+            raise ValueError(f"{len(self.inputs)} input sets but {len(self.outs)} outputs")
         if self.symmetric is not None:
-            nbytes = self.out.numel() * self.out.element_size()
-            self.symmetric = self.symmetric[:nbytes].view(self.out.dtype).view(self.out.shape)
+            like = self.outs[0]
+            nbytes = like.numel() * like.element_size()
+            self.symmetric = self.symmetric[:nbytes].view(like.dtype).view(like.shape)
         if not self.ctx.is_cuda:
             return None
-        self.snapshot = torch.empty_like(self.out)
+        first, last = self.outs[0], self.outs[-1]
+        base = self._keep.data_ptr()
+        begin = first.data_ptr() - base
+        self.out_bytes = self._keep[begin:last.data_ptr() - base + last.numel() * last.element_size()]
+        self.out_stride = self.out_bytes.numel() if len(self.outs) == 1 else self.outs[1].data_ptr() - first.data_ptr()
+        self.snapshot = torch.empty_like(self.out_bytes)
         self.go = torch.cuda.Event.from_ipc_handle(self.ctx.device, go_handle)
         self.done = torch.cuda.Event(interprocess=True)
         return self.done.ipc_handle()
 
-    def run(self, index: int, mode: str) -> None:
-        """One call on input set `index`. On GPUs the stream first waits for the judge's 'go'
-        event and records 'done' after the call (and the copy out of a symmetric output)."""
-        target = self.symmetric if self.symmetric is not None else self.out
+    def batch(self, count: int, settle: bool) -> None:
+        """`count` calls back to back, call i on input set i into output i. On GPUs the stream
+        first waits for the judge's 'go' event, records 'done' after the last call (and its copy
+        out of a symmetric output), then queues a copy of the outputs as that stream left them;
+        `settle` checks it at once (else the judge asks for it after its timer stopped)."""
+        if not 1 <= count <= len(self.inputs):
+            raise ValueError(f"a batch of {count} calls on {len(self.inputs)} input sets")
         if self.ctx.is_cuda:
+            torch.cuda.current_stream(self.ctx.device).wait_event(self.go)
+        for i in range(count):
             if self.symmetric is not None:
                 poison_(self.symmetric)
-            torch.cuda.current_stream(self.ctx.device).wait_event(self.go)
-        self.program.run(self.ctx, self.state, dict(self.inputs[index]), target)
-        if self.ctx.is_cuda:
+            target = self.symmetric if self.symmetric is not None else self.outs[i]
+            self.program.run(self.ctx, self.state, dict(self.inputs[i]), target)
             if self.symmetric is not None:
-                self.out.copy_(self.symmetric)
+                self.outs[i].copy_(self.symmetric)
+        if self.ctx.is_cuda:
             self.done.record()
-            self._check_stream_order()
+            self.written = min(count * self.out_stride, self.out_bytes.numel())
+            self.snapshot[:self.written].copy_(self.out_bytes[:self.written])
+            if settle:
+                self.settle()
 
-    def _check_stream_order(self) -> None:
-        """The output as the current stream's work left it must be the output once every stream
-        is idle: a write that lands later (side-stream work not joined back before run()
-        returned) escaped the judge's timed region. The snapshot is taken after 'done', untimed.
-        (One GPU time-slices the judge's and this process's contexts, so the judge's own check
-        right after 'done' may only see the late write already landed.)"""
-        self.snapshot.copy_(self.out)
+    def settle(self) -> None:
+        """The outputs as the current stream's work left them (the copy queued after 'done') must
+        be the outputs once every stream is idle: a write that lands later (side-stream work not
+        joined back before run() returned) escaped the judge's timed region. (One GPU time-slices
+        the judge's and this process's contexts, so the judge's own check right after 'done' may
+        only see the late write already landed.)"""
+        if not self.ctx.is_cuda:
+            return
         torch.cuda.synchronize(self.ctx.device)
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self.out.element_size()]
-        if not torch.equal(self.snapshot.view(ints), self.out.view(ints)):
+        if not torch.equal(self.snapshot[:self.written], self.out_bytes[:self.written]):
             raise WorkEscapedStream("its output changed after run() returned and its work on the current stream "
                                     "ended: work left on a side stream escapes the timed region (join side "
                                     "streams back before returning)")
 
-    def memory(self, index: int) -> int:
+    def memory(self) -> int:
         """What two calls add at their peak and keep (workspaces, graph pools)."""
         torch.cuda.current_stream(self.ctx.device).wait_event(self.go)  # the judge's writes to the inputs
         torch.cuda.synchronize(self.ctx.device)
         before = held_bytes(self.ctx)
         torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        target = self.symmetric if self.symmetric is not None else self.out
+        target = self.symmetric if self.symmetric is not None else self.outs[0]
         for _ in range(2):
-            self.program.run(self.ctx, self.state, dict(self.inputs[index]), target)
+            self.program.run(self.ctx, self.state, dict(self.inputs[0]), target)
         torch.cuda.synchronize(self.ctx.device)
         peak = torch.cuda.max_memory_allocated(self.ctx.device) + self.ctx.symmetric_bytes_in_use()
         return max(peak - before, held_bytes(self.ctx) - before, 0)
@@ -129,35 +156,40 @@ class _Served:
         self.ctx.end_candidate()
 
 
-def serve(ctx: ProgramContext, conn: Connection) -> None:
+def serve(ctx: ProgramContext, conn: Channel) -> None:
     """Answer the judge's requests until 'exit'; a sticky CUDA error ends the process after its
-    answer (the context is gone)."""
+    answer (the context is gone). Errors cross as strings, cut to what the wire carries."""
     served = _Served(ctx)
     while True:
-        request = conn.recv()
-        op = request[0]
+        request = conn.receive(None)
+        op, args = request["op"], request["args"]
         try:
             if op == "load":
-                value = served.load(request[1], request[2])
+                value = served.load(*args)
             elif op == "setup":
-                value = served.setup(request[1], request[2])
+                label, params, symmetric = args
+                value = served.setup(Shape(label, params), symmetric)
             elif op == "buffers":
-                value = served.buffers(conn, request[1])
-            elif op == "run":
-                value = served.run(request[1], request[2])
+                value = served.buffers(conn, None if args[0] is None else decode_bytes(args[0]))
+                value = None if value is None else encode_bytes(value)
+            elif op == "batch":
+                value = served.batch(*args)
+            elif op == "settle":
+                value = served.settle()
             elif op == "memory":
-                value = served.memory(request[1])
+                value = served.memory()
             elif op == "teardown":
                 value = served.teardown()
             elif op == "exit":
-                conn.send(("ok", None))
+                conn.send({"ok": None})
                 return
             else:
                 raise ValueError(f"unknown request {op!r}")
         except Exception as exc:  # noqa: BLE001 - the judge classifies it
             message = str(exc)
-            conn.send(("error", type(exc).__name__, message, traceback.format_exc()))
+            conn.send({"error": {"type": type(exc).__name__, "message": message[:MESSAGE_CHARS],
+                                 "traceback": traceback.format_exc()[-TRACEBACK_CHARS:]}})
             if is_sticky_cuda_error(f"{type(exc).__name__}: {message}"):
                 return
             continue
-        conn.send(("ok", value))
+        conn.send({"ok": value})

@@ -1,9 +1,14 @@
-"""Timing: how iterations are scheduled, how many input sets rotate, and how times are summarised.
+"""Timing: batches of calls, how large, how they are scheduled, and how times are summarised.
 
-A multi-GPU call is as slow as its slowest rank, so each iteration's time is the maximum over
-ranks, and a program's time is the median of those maxima (min and p90 are kept for spread).
-Programs are timed side by side in one job, interleaved in round-robin blocks whose order rotates
-every round, so clock and thermal drift fall on all of them alike.
+The judge times a *batch*: K calls back to back, each on an input set of its own filled with fresh
+values and into an output of its own, between one start and one end on the judge's side, so the
+crossings between judge and program process (a request, an answer, IPC events; ~0.3-1 ms) land
+once per batch instead of once per call. K is chosen per program from probe batches so that a
+batch lasts at least `BATCH_TARGET_S`, bounded by memory (K input sets and outputs) and
+`MAX_BATCH`; a batch's per-call time is its time over K. A multi-GPU call is as slow as its
+slowest rank, so each batch's per-call time is the maximum over ranks, and a program's time is the
+median of those maxima (min and p90 are kept for spread). Programs' batches alternate in one job,
+the order of programs rotating every round, so clock and thermal drift fall on all of them alike.
 """
 
 from __future__ import annotations
@@ -17,12 +22,34 @@ from commweave.contracts.verdict import Verdict
 
 MAX_INPUT_SETS = 16
 MAX_ROTATION_BYTES = 8 << 30
-INTERLEAVE_BLOCK = 5  # iterations of one program in a row before the next program's turn
-#: a timed iteration's output is judged with probability 1/VERIFY_ONE_IN (decided by the judge after
-#: the run, so no program can tell which ones count), and the last one always: a program that skips
-#: its work in k timed iterations (a stale output) passes with probability 2^-k, and moving the
-#: median takes k >= iters / 2
-VERIFY_ONE_IN = 2
+INTERLEAVE_BLOCK = 1  # batches of one program in a row before the next program's turn
+#: a timed batch lasts at least this long on the judge's clock: the per-batch crossings (measured
+#: and recorded per run as the judge's resolution) are then a few percent of it or less
+BATCH_TARGET_S = {"cuda": 0.012, "cpu": 0.025}
+#: the most calls in a batch (on GPUs also what a program may queue behind the judge's hold)
+MAX_BATCH = {"cuda": 1024, "cpu": 256}
+#: memory for one program's batch (K input sets and outputs, with the judge's staging on GPUs),
+#: at most this and at most `BATCH_MEMORY_SHARE` of what the device has free over the programs
+BATCH_BYTES = {"cuda": 8 << 30, "cpu": 256 << 20}
+BATCH_MEMORY_SHARE = 0.5
+#: probe batches of one call each, per program, before the warm-up batches that size K
+PROBE_BATCHES = 3
+#: outputs of each timed batch judged against the reference, picked by the judge after the batch
+#: (no program can tell which): a program that skips its work in a fraction f of calls passes B
+#: batches with probability (1 - f)^(VERIFY_PER_BATCH * B); every output is checked for poison
+VERIFY_PER_BATCH = 4
+
+
+def batch_capacity(call_bytes: int, budget_bytes: int, device: str) -> int:
+    """The most calls a batch can hold when each needs `call_bytes` (its inputs, its output)."""
+    return max(1, min(MAX_BATCH[device], budget_bytes // max(1, call_bytes)))
+
+
+def batch_size(per_call_s: float, capacity: int, device: str) -> int:
+    """Calls per batch so that a batch lasts `BATCH_TARGET_S` at `per_call_s`, within 1..capacity."""
+    if not per_call_s > 0:
+        return capacity
+    return max(1, min(capacity, math.ceil(BATCH_TARGET_S[device] / per_call_s)))
 
 
 def input_sets_for(set_bytes: int) -> int:

@@ -31,7 +31,8 @@ def subjects(report: BenchReport) -> list[str]:
 def comparison_table(report: BenchReport) -> Table:
     """One row per job: each program's and yardstick's median, each subject's speedup over each
     baseline, yardstick / subject, the floor and floor / subject."""
-    table = Table(title=f"{report.workload} on {report.gpus} GPUs (median of per-iteration max over ranks, µs)")
+    table = Table(title=f"{report.workload} on {report.gpus} GPUs (µs a call: median over timed batches of the "
+                        "slowest rank's batch time over its calls)")
     table.add_column("shape")
     ours = subjects(report)
     for name in report.programs:
@@ -59,7 +60,8 @@ def comparison_table(report: BenchReport) -> Table:
 
 def notes(report: BenchReport) -> list[str]:
     """Plain lines under the table: what yardsticks are, each communication yardstick's bandwidth
-    against the measured peer-copy rate, device memory, and every failure with its message."""
+    against the measured peer-copy rate, the judge's resolution (calls a batch, crossing cost),
+    device memory, and every failure with its message."""
     lines = []
     if report.yardsticks:
         lines.append(f"yardsticks ({', '.join(report.yardsticks)}): timed in the same job, not checked "
@@ -72,6 +74,13 @@ def notes(report: BenchReport) -> list[str]:
                 lines.append(f"{row.shape}: {name} moves the slowest rank's {row.comm_bytes / 2**20:,.1f} MiB at "
                              f"{gbps:,.0f} GB/s, {gbps * 1e9 / link:.2f} of the measured peer-copy rate "
                              f"({link / 1e9:,.0f} GB/s)")
+    for row in report.rows:
+        sized = {n: t for n, t in row.timings.items() if t.batch}
+        if sized:
+            worst = max(t.crossing_us or 0.0 for t in sized.values())
+            lines.append(f"{row.shape}: the judge's resolution: calls a batch " + ", ".join(f"{n} {t.batch}" for n, t in
+                         sized.items()) + f"; a batch's crossings cost at most {worst:,.0f} µs "
+                         f"({worst / min(t.batch for t in sized.values()):,.2f} µs a call at the smallest batch)")
     for row in report.rows:
         held = row.memory_bytes()
         if held:

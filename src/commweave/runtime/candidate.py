@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,8 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from commweave.runtime import confine
+from commweave.runtime.wire import MAX_JUDGE_FRAME, MAX_PROGRAM_FRAME, Channel, WireError
 
 ZYGOTE_START_S = 120.0  # an interpreter importing torch on a loaded machine
+MESSAGE_CHARS = 16 << 10  # what of an exception's message crosses the wire (program side cuts it)
+TRACEBACK_CHARS = 256 << 10
 
 
 class ProgramStartError(RuntimeError):
@@ -87,7 +91,7 @@ def _zygote_main(control_fd: int, preload: list[str]) -> None:
 
 def _program_main(fd: int, args: dict[str, Any]) -> None:
     """A program process: confine, join the program's process group, say ready, serve, exit."""
-    conn = Connection(fd)
+    conn = Channel(socket.socket(fileno=fd), MAX_JUDGE_FRAME)
     try:
         began = time.perf_counter()
         checks = confine.confined_child_setup(
@@ -101,10 +105,11 @@ def _program_main(fd: int, args: dict[str, Any]) -> None:
         serve = resolve_function(args["serve"])
     except BaseException as exc:  # noqa: BLE001 - reported to the judge, then this process ends
         with contextlib.suppress(Exception):
-            conn.send(("init_failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send({"init_failed": {"message": f"{type(exc).__name__}: {exc}"[:MESSAGE_CHARS],
+                                       "traceback": traceback.format_exc()[-TRACEBACK_CHARS:]}})
         os._exit(2)
-    conn.send(("ready", {"confine_s": confined - began, "init_s": time.perf_counter() - confined,
-                         "confined": [c.line() for c in checks]}))
+    conn.send({"ready": {"confine_s": confined - began, "init_s": time.perf_counter() - confined,
+                         "confined": [c.line() for c in checks]}})
     code = 0
     try:
         serve(ctx, conn)
@@ -142,7 +147,7 @@ class Zygote:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def fork(self, args: dict[str, Any]) -> tuple[int, Connection]:
+    def fork(self, args: dict[str, Any]) -> tuple[int, Channel]:
         ours, theirs = socket.socketpair()
         try:
             self._control.send(("fork", args))
@@ -152,7 +157,7 @@ class Zygote:
             raise ProgramStartError(f"the program zygote is gone: {exc}") from exc
         finally:
             theirs.close()
-        return pid, Connection(ours.detach())
+        return pid, Channel(ours, MAX_PROGRAM_FRAME)
 
     def exit_code(self, pid: int) -> int | None:
         with contextlib.suppress(EOFError, OSError):
@@ -241,8 +246,9 @@ def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
 # -- judge side: one program process --------------------------------------------------------------
 @dataclass
 class Reply:
-    """What came back from a request: 'ok' (value), 'error' (exception type, message, traceback),
-    'died' (exit code), 'timeout', or 'aborted' (a peer rank's judge gave up on this program)."""
+    """What came back from a request: 'ok' (value), 'error' (exception type, message, traceback:
+    strings), 'died' (exit code), 'timeout', 'invalid' (a frame that breaks the wire or the
+    request's schema: message says how), or 'aborted' (a peer rank's judge gave up on this program)."""
 
     status: str
     value: Any = None
@@ -251,16 +257,35 @@ class Reply:
     traceback: str = ""
 
 
+def _strings(fields: Any, names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """`fields[name]` for each name when `fields` is an object of exactly those string fields."""
+    if not isinstance(fields, dict) or set(fields) != set(names) or not all(isinstance(fields[n], str) for n in names):
+        return None
+    return tuple(fields[n] for n in names)
+
+
+def _ready_fields(fields: Any) -> bool:
+    """The 'ready' report: timings (numbers) and the confinement lines (strings)."""
+    return (isinstance(fields, dict) and set(fields) == {"confine_s", "init_s", "confined"}
+            and all(type(fields[k]) in (int, float) for k in ("confine_s", "init_s"))
+            and isinstance(fields["confined"], list) and all(isinstance(c, str) for c in fields["confined"]))
+
+
 @dataclass
 class ProgramProcess:
     """Judge side of one rank's program process."""
 
     pid: int
-    conn: Connection
+    conn: Channel
     zygote: Zygote
     workdir: contextlib.ExitStack
     ready: dict[str, Any] = field(default_factory=dict)
     closed: bool = False
+    #: CPU judges: stop the program's process group the moment an answer arrives and continue it
+    #: with the next request, so what the judge reads (outputs, inputs) is what existed at the reply
+    stop_at_reply: bool = False
+    stopped: bool = False
+    replied_at: float = 0.0  # perf_counter() when the last answer arrived (before any stop)
 
     @classmethod
     def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,
@@ -280,49 +305,83 @@ class ProgramProcess:
         return cls(pid, conn, z, stack)
 
     def await_ready(self, deadline: float, abort: Callable[[], bool]) -> None:
-        """Wait until it is confined and its process group is up; ProgramStartError if not."""
+        """Wait until it is confined and its process group is up; ProgramStartError if not. (No
+        program code has run yet: only the harness speaks here.)"""
         reply = self.wait(deadline, abort)
-        if reply.status == "ok" and reply.value[0] == "ready":
-            self.ready = reply.value[1]
+        if reply.status == "ok" and _ready_fields(reply.value.get("ready")):
+            self.ready = reply.value["ready"]
             return
         self.close()
         if reply.status == "aborted":
             raise ProgramStartError("aborted: a peer rank's program process failed to start")
-        what = reply.value[1] if reply.status == "ok" else {"died": f"it died (exit code {reply.value})",
-                                                             "timeout": "no answer in time"}[reply.status]
+        failed = _strings(reply.value.get("init_failed"), ("message", "traceback")) if reply.status == "ok" else None
+        what = (failed[0] if failed else {"ok": "it sent something else than 'ready'", "invalid": reply.message,
+                                          "died": f"it died (exit code {reply.value})",
+                                          "timeout": "no answer in time"}[reply.status])
         raise ProgramStartError(f"a program process did not start: {what}")
 
     def wait(self, deadline: float, abort: Callable[[], bool]) -> Reply:
-        """The next message, unless the process dies, `deadline` passes or `abort()` turns true."""
+        """The next message (a JSON object), unless the process dies, sends a frame that breaks
+        the wire, `deadline` passes (a frame begun and not finished by then too) or `abort()`
+        turns true."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return Reply("timeout")
             try:
-                if self.conn.poll(min(0.05, remaining)):
-                    return Reply("ok", self.conn.recv())
+                message = self.conn.receive(min(0.05, remaining))
+            except WireError as exc:
+                return Reply("invalid", message=str(exc))
             except (EOFError, OSError):
                 return Reply("died", self.zygote.exit_code(self.pid))
+            if message is not None:
+                self.replied_at = time.perf_counter()
+                return Reply("ok", message)
             if abort():
                 return Reply("aborted")
 
-    def request(self, message: Any, deadline: float, abort: Callable[[], bool],
-                then: Callable[[], None] | None = None) -> Reply:
-        """Send `message` (and whatever `then()` sends after it), then classify the answer:
-        ('ok', value) / ('error', type, message, tb)."""
+    def request(self, message: dict[str, Any], deadline: float, abort: Callable[[], bool],
+                then: Callable[[], None] | None = None, expect: tuple[type, ...] = (type(None),)) -> Reply:
+        """Send `message` (and whatever `then()` sends after it), then check the answer against the
+        schema: {"ok": value of a type in `expect`} or {"error": {"type", "message", "traceback"}}
+        (strings); anything else is 'invalid'."""
         try:
+            self.resume()
             self.conn.send(message)
             if then is not None:
                 then()
         except OSError:
             return Reply("died", self.zygote.exit_code(self.pid))
         reply = self.wait(deadline, abort)
+        if reply.status in ("ok", "invalid") and self.stop_at_reply:
+            self.stop(deadline)
         if reply.status != "ok":
             return reply
-        tag, *rest = reply.value
-        if tag == "error":
-            return Reply("error", None, *rest)
-        return Reply("ok", rest[0] if rest else None)
+        answer = reply.value
+        if set(answer) == {"ok"} and type(answer["ok"]) in expect:
+            return Reply("ok", answer["ok"])
+        error = _strings(answer.get("error"), ("type", "message", "traceback")) if set(answer) == {"error"} else None
+        if error is not None:
+            return Reply("error", None, *error)
+        names = " or ".join(t.__name__ for t in expect)
+        return Reply("invalid", message=f"an answer outside the schema ({{'ok': {names}}} or {{'error': ...}}): "
+                                        f"{sorted(answer)[:5]}")
+
+    def stop(self, deadline: float) -> None:
+        """SIGSTOP the program's process group and wait (until `deadline`) for every thread of the
+        program process to be stopped; its other processes got the same signal."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGSTOP)
+            self.stopped = True
+        while self.stopped and time.monotonic() < deadline and not _all_threads_stopped(self.pid):
+            time.sleep(0.0001)
+
+    def resume(self) -> None:
+        """SIGCONT what `stop` stopped."""
+        if self.stopped:
+            self.stopped = False
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGCONT)
 
     def close(self) -> int:
         """Kill the program process's whole tree, then whatever escaped it (double-forked, now our
@@ -339,6 +398,23 @@ class ProgramProcess:
         orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
         self.workdir.close()
         return len(left) + orphans
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (or gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                state = stat.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
 
 
 def make_rendezvous() -> Path:

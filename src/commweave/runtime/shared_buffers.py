@@ -2,7 +2,7 @@
 
 The judge allocates one block per program and rank, views tensors into it by a layout, and hands
 the block to the program process once: on CPU an anonymous memfd (no name anyone else could open)
-sent as a file descriptor over their unix socket and mapped on both sides; on GPUs a CUDA
+sent as a file descriptor over their unix socket (runtime/wire.py) and mapped on both sides; on GPUs a CUDA
 allocation of a memory pool of its own, exported by CUDA IPC (torch's reductions). The judge then writes fresh values, poisons
 the output and reads it back in its own process; the program process only ever sees this block.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions ForkingPickler uses)
+
+from commweave.runtime.wire import Channel, decode_bytes, encode_bytes
 
 ALIGN = 256  # bytes: every view starts aligned for vector loads and TMA
 
@@ -46,7 +47,7 @@ def layout(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[
     return slots, max(offset, ALIGN)
 
 
-def _views(block: torch.Tensor, slots: list[Slot]) -> dict[str, torch.Tensor]:
+def views(block: torch.Tensor, slots: list[Slot]) -> dict[str, torch.Tensor]:
     return {s.key: block[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots}
 
 
@@ -70,15 +71,26 @@ class SharedBuffers:
             os.ftruncate(self._fd, self.nbytes)
             self._map = mmap.mmap(self._fd, self.nbytes)
             self.block = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
-        self.tensors = _views(self.block, self.slots)
+        self.tensors = views(self.block, self.slots)
 
-    def send(self, conn: Connection, pid: int) -> None:
-        """Give the block to the program process at the other end of `conn` (process `pid`)."""
+    def send(self, channel: Channel) -> None:
+        """Give the block to the program process at the other end of `channel`: the layout as
+        JSON, then the memfd (SCM_RIGHTS) or the CUDA IPC reduction (the judge's own pickle,
+        base64; only a program process unpickles it, never the judge)."""
+        slots = [[s.key, str(s.dtype).removeprefix("torch."), list(s.shape), s.offset] for s in self.slots]
         if self.device.type == "cuda":
-            conn.send(("cuda", self.slots, bytes(ForkingPickler.dumps(self.block))))
+            channel.send({"kind": "cuda", "slots": slots, "nbytes": self.nbytes,
+                          "payload": encode_bytes(bytes(ForkingPickler.dumps(self.block)))})
         else:
-            conn.send(("memfd", self.slots, self.nbytes))
-            send_handle(conn, self._fd, pid)
+            channel.send({"kind": "memfd", "slots": slots, "nbytes": self.nbytes})
+            channel.send_fd(self._fd)
+
+    def span(self, first: str, last: str) -> torch.Tensor:
+        """The block's bytes from slot `first`'s start to slot `last`'s end, as one uint8 view
+        (slots in between and their alignment padding included)."""
+        by_key = {s.key: s for s in self.slots}
+        begin, end = by_key[first].offset, by_key[last].offset + by_key[last].nbytes
+        return self.block[begin:end]
 
     def close(self) -> None:
         """Drop the judge's handles (the mapping goes with the last tensor viewing it)."""
@@ -91,14 +103,15 @@ class SharedBuffers:
             self._fd = None
 
 
-def receive_buffers(conn: Connection) -> tuple[dict[str, torch.Tensor], object]:
+def receive_buffers(channel: Channel) -> tuple[dict[str, torch.Tensor], object]:
     """Program side: the judge's block as named tensors, and what keeps the mapping alive."""
-    kind, slots, payload = conn.recv()
-    if kind == "cuda":
-        block = ForkingPickler.loads(payload)
-        return _views(block, slots), block
-    fd = recv_handle(conn)
-    mapping = mmap.mmap(fd, payload)
+    message = channel.receive(None)
+    slots = [Slot(key, getattr(torch, dtype), tuple(shape), offset) for key, dtype, shape, offset in message["slots"]]
+    if message["kind"] == "cuda":
+        block = ForkingPickler.loads(decode_bytes(message["payload"]))
+        return views(block, slots), block
+    fd = channel.receive_fd()
+    mapping = mmap.mmap(fd, message["nbytes"])
     os.close(fd)
-    block = torch.frombuffer(mapping, dtype=torch.uint8, count=payload)
-    return _views(block, slots), mapping
+    block = torch.frombuffer(mapping, dtype=torch.uint8, count=message["nbytes"])
+    return views(block, slots), mapping
