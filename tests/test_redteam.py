@@ -283,3 +283,11 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if load <= MAX_TIMING_LOAD:  # beyond it, other processes' scheduling decides medians, not the judge
         assert 0.5 < honest.fitness < 2.0, f"after {name}: the baseline-equal program measured {honest.fitness:.2f}x"
+
+
+def test_an_honest_program_with_four_forked_helpers_is_never_read_as_tampering(world):
+    """The control: helpers killed with their program are still dying when the judge looks for
+    escapees; only processes alive after the program's processes drained may count."""
+    source = (TESTS / "programs_cpu" / "forked_helpers.py").read_text()
+    verdicts = [world["evaluator"].check(source) for _ in range(5)]
+    assert all(v.ok for v in verdicts), [v.message for v in verdicts if not v.ok]

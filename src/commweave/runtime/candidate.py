@@ -86,14 +86,17 @@ def _zygote_main(control_fd: int, preload: list[str]) -> None:
 
 
 def _program_main(fd: int, args: dict[str, Any]) -> None:
-    """A program process: confine, join the program's process group, say ready, serve, exit."""
+    """A program process: confine (in a pid namespace of its own, below a holder that stays
+    here), join the program's process group, say ready, serve, exit."""
     conn = Connection(fd)
     try:
         began = time.perf_counter()
+        if args["pid_namespace"]:
+            confine.enter_pid_namespace([fd])  # returns only in the program process
         checks = confine.confined_child_setup(
             workdir=args["workdir"], env=args["env"], rank=args["rank"], world_size=args["world_size"],
             rendezvous=args["rendezvous"], network=args["network"], filesystem=args["filesystem"],
-            deny_read=args["deny_read"], keep_fds=[fd])
+            shm=args["shm"], privileges=args["privileges"], deny_read=args["deny_read"], keep_fds=[fd])
         confined = time.perf_counter()
         from commweave.runtime.pool import _build_context, resolve_function
 
@@ -105,11 +108,12 @@ def _program_main(fd: int, args: dict[str, Any]) -> None:
         os._exit(2)
     conn.send(("ready", {"confine_s": confined - began, "init_s": time.perf_counter() - confined,
                          "confined": [c.line() for c in checks]}))
-    code = 0
-    try:
+    code = 1  # serve reports program errors itself; anything it raises ends us
+    with contextlib.suppress(BaseException):
         serve(ctx, conn)
-    except BaseException:  # noqa: BLE001 - serve reports program errors itself; anything else ends us
-        code = 1
+        code = 0
+        while True:  # until the judge hangs up: it looks for escaped processes while this one lives
+            conn.recv_bytes()
     os._exit(code)
 
 
@@ -121,11 +125,13 @@ class Zygote:
         env = confine.candidate_env(os.environ)
         if env.get("PYTHONPATH"):  # it starts in another directory: relative entries would point elsewhere
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+        # never the judge's stdout/stderr (its log): a file of its own, read when it fails to start
+        self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from commweave.runtime.candidate import _zygote_main; "
              "_zygote_main(int(sys.argv[1]), sys.argv[2:])", str(theirs.fileno()), *preload],
-            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=confine.candidates_root(),
-            start_new_session=True)
+            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=self._stderr, cwd=confine.candidates_root(), start_new_session=True)
         theirs.close()
         self._control = Connection(ours.detach())
         if not self._control.poll(ZYGOTE_START_S):
@@ -135,8 +141,10 @@ class Zygote:
             _, self.pid = self._control.recv()
         except EOFError:
             code = self._proc.wait()
+            self._stderr.seek(0)
+            said = self._stderr.read().decode(errors="replace").strip().splitlines()
             raise ProgramStartError(f"the program zygote exited with code {code} while importing "
-                                    f"{', '.join(preload)}") from None
+                                    f"{', '.join(preload)}: {said[-1] if said else 'it said nothing'}") from None
 
     @property
     def alive(self) -> bool:
@@ -166,6 +174,7 @@ class Zygote:
         confine.kill_tree(self._proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=5)
+        self._stderr.close()
 
 
 _ZYGOTE: Zygote | None = None
@@ -194,6 +203,9 @@ class Confinement:
 
     network: bool
     filesystem: bool
+    pid_namespace: bool = False
+    shm: bool = False
+    privileges: bool = False
     dropped: str = ""
 
 
@@ -204,17 +216,29 @@ def confinement(device: str, serve: str) -> Confinement:
     """What this machine offers; on GPUs, also what lets a program process start CUDA and NCCL."""
     global _CONFINEMENT
     if _CONFINEMENT is None:
-        offered = Confinement(network=confine.net_namespace_available() is None, filesystem=confine.landlock_abi() >= 1)
+        refusals = {"network namespace": confine.net_namespace_available(),
+                    "Landlock": None if confine.landlock_abi() >= 1 else "not on this kernel",
+                    "pid namespace": confine.pid_namespace_available(),
+                    "private /dev/shm": confine.shm_namespace_available(),
+                    "privileges dropped": confine.privileges_available()}
+        offered = Confinement(*(refusals[k] is None for k in ("network namespace", "Landlock", "pid namespace",
+                                                              "private /dev/shm", "privileges dropped")))
+        refused = "; ".join(f"{k} ({why})" for k, why in refusals.items() if why is not None)
+        if refused:  # once per judge: the kernel, not a candidate, decides these
+            warnings.warn(f"program processes run without: {refused} (see `commweave doctor`)", stacklevel=2)
         _CONFINEMENT = _startable(offered, serve, device) if device == "cuda" else offered
     return _CONFINEMENT
 
 
 def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
     """Start a throwaway program process (a world of one; on GPUs its CUDA context and NCCL
-    communicator) under `offered`; where it cannot start, try without Landlock, then without the network namespace,
-    then without both, and warn which was dropped: a judge whose programs cannot start on its GPUs
-    judges nothing at all."""
-    tries = [offered, replace(offered, filesystem=False), replace(offered, network=False), Confinement(False, False)]
+    communicator) under `offered`; where it cannot start, try without each piece in turn
+    (Landlock, the network namespace, the pid namespace, the private /dev/shm, dropped
+    privileges), then without all, and warn which was dropped: a judge whose programs cannot
+    start on its GPUs judges nothing at all."""
+    tries = [offered, replace(offered, filesystem=False), replace(offered, network=False),
+             replace(offered, pid_namespace=False), replace(offered, shm=False), replace(offered, privileges=False),
+             Confinement(False, False)]
     failures: list[str] = []
     for rules in dict.fromkeys(tries):
         rendezvous = make_rendezvous()
@@ -224,18 +248,22 @@ def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
             proc.await_ready(time.monotonic() + ZYGOTE_START_S, lambda: False)
             proc.close()
         except ProgramStartError as exc:
-            failures.append(f"network namespace {rules.network}, Landlock {rules.filesystem}: {exc}")
+            failures.append(f"{_pieces(rules)}: {exc}")
             continue
         finally:
             remove_rendezvous(rendezvous)
         if not failures:
             return rules
         dropped = "; ".join(failures)
-        warnings.warn(f"program processes run with less confinement on this machine (network namespace "
-                      f"{rules.network}, Landlock {rules.filesystem}); none could start with more: {dropped}",
-                      stacklevel=2)
+        warnings.warn(f"program processes run with less confinement on this machine ({_pieces(rules)}); "
+                      f"none could start with more: {dropped}", stacklevel=2)
         return replace(rules, dropped=dropped)
     raise ProgramStartError("no program process can start on this machine: " + "; ".join(failures))
+
+
+def _pieces(rules: Confinement) -> str:
+    return (f"network namespace {rules.network}, Landlock {rules.filesystem}, pid namespace {rules.pid_namespace}, "
+            f"private /dev/shm {rules.shm}, privileges dropped {rules.privileges}")
 
 
 # -- judge side: one program process --------------------------------------------------------------
@@ -261,6 +289,7 @@ class ProgramProcess:
     workdir: contextlib.ExitStack
     ready: dict[str, Any] = field(default_factory=dict)
     closed: bool = False
+    program_pid: int | None = None  # below `pid` (its holder) in a pid namespace; else `pid` itself
 
     @classmethod
     def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,
@@ -271,19 +300,22 @@ class ProgramProcess:
         z = zygote(serve)
         args = dict(rank=rank, world_size=world_size, device=device, rendezvous=str(rendezvous), serve=serve,
                     workdir=str(workdir), env=confine.candidate_env(os.environ, workdir),
-                    network=rules.network, filesystem=rules.filesystem, deny_read=confine.run_paths())
+                    network=rules.network, filesystem=rules.filesystem, pid_namespace=rules.pid_namespace,
+                    shm=rules.shm, privileges=rules.privileges, deny_read=confine.run_paths())
         try:
             pid, conn = z.fork(args)
         except ProgramStartError:
             stack.close()
             raise
-        return cls(pid, conn, z, stack)
+        return cls(pid, conn, z, stack, program_pid=None if rules.pid_namespace else pid)
 
     def await_ready(self, deadline: float, abort: Callable[[], bool]) -> None:
         """Wait until it is confined and its process group is up; ProgramStartError if not."""
         reply = self.wait(deadline, abort)
         if reply.status == "ok" and reply.value[0] == "ready":
             self.ready = reply.value[1]
+            if self.program_pid is None:
+                self.program_pid = confine.program_process(self.pid)
             return
         self.close()
         if reply.status == "aborted":
@@ -325,15 +357,16 @@ class ProgramProcess:
         return Reply("ok", rest[0] if rest else None)
 
     def close(self) -> int:
-        """Kill the program process's whole tree, then whatever escaped it (double-forked, now our
-        children); remove its private directory. Returns how many processes had escaped: in a
-        session other than the program's, or reparented to the judge."""
+        """Kill the program process's whole tree (its pid namespace with it), wait until it has
+        died, then whatever escaped it (double-forked, now our children); remove its private
+        directory. Returns how many processes had escaped: in a session other than the program's,
+        or reparented to the judge and alive after the program drained."""
         if self.closed:
             return 0
         self.closed = True
+        left = confine.left_session(self.pid, self.program_pid) if self.program_pid else set()
         with contextlib.suppress(OSError):
             self.conn.close()
-        left = confine.left_session(self.pid)  # still below it, but in a session of their own
         confine.kill_tree(self.pid)
         self.zygote.exit_code(self.pid)  # let the zygote reap it
         orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
