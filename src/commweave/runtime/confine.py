@@ -294,6 +294,30 @@ def _wait_dead(pids: set[int], timeout_s: float = 10.0) -> None:
             time.sleep(0.002)
 
 
+def freeze(pid: int) -> None:
+    """Stop `pid` and every process below it (SIGSTOP, again for whatever a process forked in the
+    meantime, until none is new): the whole program stands still until `thaw`, e.g. from the
+    moment its reply arrives until the judge has read its output. Give a program's holder (its
+    `ProgramProcess.pid`) to reach its whole pid namespace."""
+    stopped: set[int] = set()
+    for _ in range(50):
+        todo = ({pid} | descendants(pid)) - stopped
+        if not todo:
+            return
+        for victim in todo:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(victim, signal.SIGSTOP)
+        stopped |= todo
+        time.sleep(0.001)
+
+
+def thaw(pid: int) -> None:
+    """Let `pid` and every process below it run again (SIGCONT) after `freeze`."""
+    for victim in {pid} | descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGCONT)
+
+
 def _alive(pid: int) -> bool:
     """Running and not a zombie."""
     try:
@@ -923,6 +947,8 @@ def probe_cuda(names: Iterable[str] | None = None, timeout_s: float = 180.0) -> 
     for name in names or CUDA_PROBES:
         with private_workdir() as workdir:
             env = candidate_env(os.environ, workdir)
+            if env.get("PYTHONPATH"):  # it starts in `workdir`: relative entries would point elsewhere
+                env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
             argv = [sys.executable, "-c", _PROBE_CHILD, str(workdir), json.dumps(env), json.dumps(CUDA_PROBES[name])]
             try:
                 done = subprocess.run(argv, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s,
