@@ -1,6 +1,7 @@
 """Starts a daemon with clone(CLONE_PARENT): a sibling, not a child, so a walk of its own tree
-misses it; it sleeps with a marker in its command line. Expected: a failure, and the daemon
-killed with the program (it is in the program's pid namespace)."""
+misses it, in a session of its own (a group kill misses it too); it sleeps with a marker in its
+command line. Expected: a failure, and the daemon killed with the program (it is in the
+program's pid namespace)."""
 
 import ctypes
 import os
@@ -16,6 +17,7 @@ def setup(ctx, shape):
     number = 56 if platform.machine() == "x86_64" else 220  # clone
     pid = libc.syscall(ctypes.c_long(number), ctypes.c_ulong(CLONE_PARENT | SIGCHLD), None, None, None, None)
     if pid == 0:
+        os.setsid()  # out of its process group too
         os.execv(sys.executable, [sys.executable, "-c", f"import time; time.sleep(120)  # {MARKER}"])
     if pid < 0:
         raise RuntimeError(f"clone(CLONE_PARENT) refused: {os.strerror(ctypes.get_errno())}")
