@@ -444,14 +444,14 @@ needs_pidns = pytest.mark.skipif(PIDNS_MISSING is not None, reason=f"no pid name
 
 
 def in_pid_namespace(body: str) -> tuple[int, dict]:
-    """Fork a holder whose program process (in a pid namespace of its own) runs `body` (Python,
-    with `report(dict)` to answer) and then sleeps: (holder pid, the report)."""
+    """Fork a program process into a pid namespace of its own (this test standing in for the
+    zygote) that runs `body` (Python, with `report(dict)` to answer) and then sleeps: (the
+    namespace's init's pid, the report)."""
     read, write = os.pipe()
-    holder = os.fork()
-    if holder == 0:
-        os.close(read)
+    init = confine.fork_pid_namespace([read, write])
+    if init == 0:
         try:
-            confine.enter_pid_namespace([write])
+            os.close(read)
 
             def report(answer: dict) -> None:
                 os.write(write, json.dumps(answer).encode() + b"\n")
@@ -463,13 +463,13 @@ def in_pid_namespace(body: str) -> tuple[int, dict]:
             os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:  # one line: the program's helpers hold the pipe open
-        return holder, json.loads(pipe.readline())
+        return init, json.loads(pipe.readline())
 
 
 @needs_pidns
-def test_a_program_in_its_pid_namespace_names_nothing_outside_and_dies_whole_with_its_holder():
+def test_a_program_in_its_pid_namespace_names_nothing_outside_and_dies_whole_with_its_init():
     outside = os.getpid()
-    holder, seen = in_pid_namespace(textwrap.dedent(f"""
+    init, seen = in_pid_namespace(textwrap.dedent(f"""
         def attempt(fn):
             try:
                 fn()
@@ -493,20 +493,20 @@ def test_a_program_in_its_pid_namespace_names_nothing_outside_and_dies_whole_wit
                  "pin": attempt(lambda: os.sched_setaffinity({outside}, {{0}}))}})
     """))
     try:
-        assert seen["pid"] == holder + 1 and seen["ppid"] == 1  # a pid of its own, below the namespace's init
+        assert seen["pid"] == init + 1 and seen["ppid"] == 1  # a pid of its own, below the namespace's init
         assert seen["signal"] == seen["renice"] == seen["pin"] == "ProcessLookupError"
-        assert confine.program_process(holder) == seen["global"]
+        assert confine.program_process(init) == seen["global"]
         assert all(alive(p) for p in [seen["global"], *seen["helpers"]])
-        os.kill(holder, signal.SIGKILL)  # the judge side gone: everything in the namespace goes too
-        os.waitpid(holder, 0)
-        assert all(wait_dead(p) for p in [seen["global"], *seen["helpers"]]), "a process outlived its holder"
+        os.kill(init, signal.SIGKILL)  # killed from outside: everything in the namespace goes too
+        os.waitpid(init, 0)
+        assert all(wait_dead(p) for p in [seen["global"], *seen["helpers"]]), "a process outlived its namespace"
     finally:
-        confine.kill_tree(holder)
+        confine.kill_tree(init)
 
 
 @needs_pidns
-def test_the_holder_exits_as_its_program_did_once_the_namespace_has_drained():
-    holder, seen = in_pid_namespace(textwrap.dedent("""
+def test_the_init_exits_as_its_program_did_once_the_namespace_has_drained():
+    init, seen = in_pid_namespace(textwrap.dedent("""
         r, w = os.pipe()
         if os.fork() == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -515,9 +515,10 @@ def test_the_holder_exits_as_its_program_did_once_the_namespace_has_drained():
         report({"helper": int(os.read(r, 32))})
         os._exit(3)
     """))
-    _, status = os.waitpid(holder, 0)
+    _, status = os.waitpid(init, 0)
     assert os.waitstatus_to_exitcode(status) == 3
-    assert not alive(seen["helper"])  # gone before the holder could be reaped
+    assert not alive(seen["helper"])  # gone before the init could be reaped
+    assert Path("/proc/self/ns/pid_for_children").stat().st_ino == Path("/proc/self/ns/pid").stat().st_ino
 
 
 def test_shed_privileges_refuse_real_time_priority_renice_and_raised_limits():

@@ -74,7 +74,10 @@ def _zygote_main(control_fd: int, preload: list[str]) -> None:
         reap()
         if message[0] == "fork":
             child_fd = recv_handle(control)
-            pid = os.fork()
+            if message[1]["pid_namespace"]:  # the judge's handle is then the namespace's init
+                pid = confine.fork_pid_namespace([child_fd, control.fileno()])
+            else:
+                pid = os.fork()
             if pid == 0:
                 control.close()
                 _program_main(child_fd, message[1])  # never returns
@@ -86,13 +89,10 @@ def _zygote_main(control_fd: int, preload: list[str]) -> None:
 
 
 def _program_main(fd: int, args: dict[str, Any]) -> None:
-    """A program process: confine (in a pid namespace of its own, below a holder that stays
-    here), join the program's process group, say ready, serve, exit."""
+    """A program process: confine, join the program's process group, say ready, serve, exit."""
     conn = Connection(fd)
     try:
         began = time.perf_counter()
-        if args["pid_namespace"]:
-            confine.enter_pid_namespace([fd])  # returns only in the program process
         checks = confine.confined_child_setup(
             workdir=args["workdir"], env=args["env"], rank=args["rank"], world_size=args["world_size"],
             rendezvous=args["rendezvous"], network=args["network"], filesystem=args["filesystem"],
@@ -289,7 +289,7 @@ class ProgramProcess:
     workdir: contextlib.ExitStack
     ready: dict[str, Any] = field(default_factory=dict)
     closed: bool = False
-    program_pid: int | None = None  # below `pid` (its holder) in a pid namespace; else `pid` itself
+    program_pid: int | None = None  # below `pid` (its namespace's init) in a pid namespace; else `pid` itself
 
     @classmethod
     def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,

@@ -233,7 +233,7 @@ def descendants(pid: int, parents: dict[int, int] | None = None) -> set[int]:
 
 def left_session(root: int, program: int | None = None) -> set[int]:
     """Live processes below `root` that left the program process `program` (default: `root`
-    itself; else below it, as under a holder and its pid namespace's init): in a session other
+    itself; else below it, as below its pid namespace's init): in a session other
     than the program's, or no longer below it (double-forked, reparented to its namespace's
     init). A program process leads its session; honest programs neither setsid() nor orphan."""
     program = root if program is None else program
@@ -245,7 +245,7 @@ def left_session(root: int, program: int | None = None) -> set[int]:
         return set()
     parents = _parents()
     chain, up = set(), parents.get(program)
-    while up is not None and up != root and up not in chain:  # the holder's side: its init
+    while up is not None and up != root and up not in chain:  # between them: not the program's
         chain.add(up)
         up = parents.get(up)
     below = descendants(program, parents)
@@ -297,8 +297,8 @@ def _wait_dead(pids: set[int], timeout_s: float = 10.0) -> None:
 def freeze(pid: int) -> None:
     """Stop `pid` and every process below it (SIGSTOP, again for whatever a process forked in the
     meantime, until none is new): the whole program stands still until `thaw`, e.g. from the
-    moment its reply arrives until the judge has read its output. Give a program's holder (its
-    `ProgramProcess.pid`) to reach its whole pid namespace."""
+    moment its reply arrives until the judge has read its output. Give a program's
+    `ProgramProcess.pid` (its pid namespace's init, where it has one) to reach all of it."""
     stopped: set[int] = set()
     for _ in range(50):
         todo = ({pid} | descendants(pid)) - stopped
@@ -495,74 +495,57 @@ def refused(attempt: Callable[[], object]) -> str | None:
 CLONE_NEWPID = 0x20000000
 
 
-def enter_pid_namespace(outside_fds: Iterable[int] = ()) -> None:
-    """Call in a freshly forked process (the *holder*): returns only in the program process, which
-    runs in a pid namespace of its own below a minimal init, so it can name no process outside it
-    (signals, renice, prlimit, affinity, ptrace) and everything it starts dies with it, whatever
-    it reparented or detached. The holder stays outside, waits until the namespace has emptied and
-    exits as the program process did: its exit is the program's, drained. The program process gets
-    the pid number the holder has outside (+1), unique among a program's ranks (torch names IPC
-    sockets by pid). `outside_fds` (the program's end of the judge's socket) are closed in the
-    holder and the init. Needs root; raises OSError before forking where it is refused."""
-    holder = global_pid()
-    die_with_parent()
+def fork_pid_namespace(close_in_init: Iterable[int] = ()) -> int:
+    """Fork (like os.fork: 0 in the child) a program process into a pid namespace of its own: the
+    caller gets the namespace's init, a minimal pid 1 that forks the program process and stays
+    its parent; the program process can name no process outside the namespace (signals, renice,
+    prlimit, affinity, ptrace), and all it starts, reparented or detached, dies when it ends.
+    The init exits when the program process does, as it did (a signal as 128 + its number),
+    once the namespace has emptied: its exit is the program's, drained. The program process's
+    pid inside is the init's outside + 1, unique among a program's ranks (torch names IPC sockets
+    by pid). The init closes `close_in_init` (the program's end of the judge's socket, the
+    caller's own). Needs root; the caller's next children are its own again after the call."""
+    parent = global_pid()
     _unshare(CLONE_NEWPID)
-    status_read, status_write = os.pipe()
-    init = os.fork()
-    if init != 0:
-        for fd in (*outside_fds, status_write):
-            os.close(fd)
-        _hold(init, status_read)
-    die_with_parent(parent=holder)
-    Path("/proc/sys/kernel/ns_last_pid").write_text(str(holder))
-    program = os.fork()
+    try:
+        init = os.fork()
+    except OSError:
+        _setns("/proc/self/ns/pid", CLONE_NEWPID)
+        raise
+    if init != 0:  # the caller: its next children in its own namespace again
+        _setns("/proc/self/ns/pid", CLONE_NEWPID)
+        return init
+    try:
+        die_with_parent(parent=parent)
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(global_pid()))
+        program = os.fork()
+    except BaseException:  # noqa: BLE001 - the judge sees the program's socket close: it did not start
+        os._exit(2)
     if program == 0:
-        os.close(status_read)
-        os.close(status_write)
         die_with_parent()
-        return
-    for fd in (*outside_fds, status_read):
+        return 0
+    for fd in close_in_init:
         os.close(fd)
-    _init(program, status_write)
+    _init(program)
 
 
-def _init(program: int, status_write: int) -> None:
+def _init(program: int) -> None:
     """pid 1 of a program's namespace: reap whatever is reparented here; when the program process
-    ends, pass its wait status to the holder and exit (the kernel then kills the rest)."""
+    ends, exit as it did (the kernel then kills the rest, and our exit waits until it has)."""
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
-            os._exit(0)
+            os._exit(2)
         except InterruptedError:
             continue
         if pid == program:
-            os.write(status_write, struct.pack("i", status))
-            os._exit(0)
+            os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
-def _hold(init: int, status_read: int) -> None:
-    """The holder: wait for the namespace's init (it exits only once its namespace is empty), then
-    end as the program process ended (killed by the same signal, or with its exit code)."""
-    while True:
-        try:
-            os.waitpid(init, 0)
-            break
-        except InterruptedError:
-            continue
-    data = os.read(status_read, 4)
-    status = struct.unpack("i", data)[0] if len(data) == 4 else signal.SIGKILL  # init killed: as if the program was
-    if os.WIFEXITED(status):
-        os._exit(os.WEXITSTATUS(status))
-    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-    os.kill(os.getpid(), os.WTERMSIG(status))
-    os._exit(128 + os.WTERMSIG(status))
-
-
-def program_process(holder: int) -> int | None:
-    """The program process below a holder (the oldest child of its namespace's init), or None."""
-    init = _oldest_child(holder)
-    return _oldest_child(init) if init is not None else None
+def program_process(init: int) -> int | None:
+    """The program process of a pid namespace's init (its oldest child), or None."""
+    return _oldest_child(init)
 
 
 def _oldest_child(pid: int) -> int | None:
@@ -581,17 +564,15 @@ def pid_namespace_available() -> str | None:
 
     def attempt() -> None:
         read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # holder
-            os.close(read)
-            enter_pid_namespace([write])
-            os.write(write, str(os.getpid()).encode())  # the program process, inside
+        init = fork_pid_namespace([read, write])
+        if init == 0:  # the program process, inside
+            os.write(write, str(os.getpid()).encode())
             os._exit(0)
         os.close(write)
         with os.fdopen(read) as pipe:
             inside = pipe.read()
-        _, status = os.waitpid(pid, 0)
-        if inside != str(pid + 1) or os.waitstatus_to_exitcode(status) != 0:
+        _, status = os.waitpid(init, 0)
+        if inside != str(init + 1) or os.waitstatus_to_exitcode(status) != 0:
             raise ConfineError(f"the program process was pid {inside or 'none'} inside (exit {status})")
 
     return refused(attempt)
