@@ -221,6 +221,10 @@ def confinement(device: str, serve: str) -> Confinement:
                     "pid namespace": confine.pid_namespace_available(),
                     "private /dev/shm": confine.shm_namespace_available(),
                     "privileges dropped": confine.privileges_available()}
+        if device == "cuda":  # legacy CUDA IPC (the judge's buffers) works within one pid namespace only, and
+            # torch's IPC reference counts are files of the machine's /dev/shm that a program opens by name
+            refusals["pid namespace"] = refusals["pid namespace"] or "CUDA IPC crosses no pid namespace"
+            refusals["private /dev/shm"] = refusals["private /dev/shm"] or "torch's CUDA IPC opens the judge's there"
         offered = Confinement(*(refusals[k] is None for k in ("network namespace", "Landlock", "pid namespace",
                                                               "private /dev/shm", "privileges dropped")))
         refused = "; ".join(f"{k} ({why})" for k, why in refusals.items() if why is not None)

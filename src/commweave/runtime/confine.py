@@ -892,9 +892,9 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
 
 
 # -- does CUDA start under it? ---------------------------------------------------------------------
-CUDA_PROBES = {  # name -> confined_child_setup flags; the first is what program processes get
-    "everything": dict(network=True, filesystem=True, shm=True, privileges=True),
-    "no private /dev/shm, privileges kept": dict(network=True, filesystem=True),
+CUDA_PROBES = {  # name -> confined_child_setup flags; the first is what program processes on GPUs get
+    "everything": dict(network=True, filesystem=True, privileges=True),
+    "privileges kept": dict(network=True, filesystem=True),
     "network namespace only": dict(network=True, filesystem=False),
     "Landlock only": dict(network=False, filesystem=True),
     "Landlock on writes and signals only": dict(network=False, filesystem=True, private_reads=False),
@@ -967,16 +967,17 @@ def status() -> list[Check]:
                         else f"unavailable ({why_not}): a candidate can open sockets to anything this machine reaches"))
     why_not = pid_namespace_available()
     checks.append(Check("pid namespace", why_not is None,
-                        "one per program process: it names no process outside (no signal, renice, prlimit, "
-                        "pinning, ptrace), and all it started dies with it, drained before the judge looks"
-                        if why_not is None else f"unavailable ({why_not}): a candidate can name every process "
-                        f"of this user (renice, pin, prlimit the judge's zygote); detached processes are found "
-                        f"by walking the tree"))
+                        ("one per program process: it names no process outside (no signal, renice, prlimit, "
+                         "pinning, ptrace), and all it started dies with it, drained before the judge looks"
+                         if why_not is None else f"unavailable ({why_not}): a candidate can name every process "
+                         f"of this user (renice, pin, prlimit the judge's zygote); detached processes are found "
+                         f"by walking the tree") + "; CPU pools only (CUDA IPC crosses no pid namespace)"))
     why_not = shm_namespace_available()
     checks.append(Check("private /dev/shm", why_not is None,
-                        f"a {SHM_BYTES >> 20} MiB tmpfs per program (its ranks share it), gone when it ends"
-                        if why_not is None else f"unavailable ({why_not}): /dev/shm is the machine's, shared "
-                        f"between programs and kept after them"))
+                        (f"a {SHM_BYTES >> 20} MiB tmpfs per program (its ranks share it), gone when it ends"
+                         if why_not is None else f"unavailable ({why_not}): /dev/shm is the machine's, shared "
+                         f"between programs and kept after them") + "; CPU pools only (torch's CUDA IPC opens the "
+                        "judge's reference counts there)"))
     why_not = privileges_available()
     checks.append(Check("privileges", why_not is None,
                         "no capabilities, RLIMIT_RTPRIO 0 (no SCHED_FIFO), RLIMIT_NICE 0, no new privileges"
