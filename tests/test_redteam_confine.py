@@ -619,3 +619,18 @@ def test_freeze_stops_a_whole_tree_until_thaw():
         assert "T" not in states()
     finally:
         confine.kill_tree(tree.pid)
+
+
+def test_the_judge_warns_once_for_a_piece_the_machine_refuses(monkeypatch):
+    import warnings
+
+    from commweave.runtime import candidate
+
+    monkeypatch.setattr(candidate, "_CONFINEMENT", None)
+    monkeypatch.setattr(confine, "pid_namespace_available", lambda: "needs a root judge")
+    with pytest.warns(UserWarning, match=r"without: pid namespace \(needs a root judge\)"):
+        rules = candidate.confinement("cpu", "commweave.evaluate.runner:serve")
+    assert not rules.pid_namespace
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert candidate.confinement("cpu", "commweave.evaluate.runner:serve") is rules
