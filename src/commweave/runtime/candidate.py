@@ -3,13 +3,15 @@
 Each judge process (a `WorkerPool` worker, one per rank) owns a *zygote*: a Python interpreter
 exec'd with the allowlisted environment (`confine.candidate_env`, so no secret is in its memory
 or its /proc environ), which imports torch and the program side once and then only forks. For
-every program of a job, each judge asks its zygote for one *program process*: the fork confines
-itself (`confine.confined_child_setup`: own session, private directory, the program's shared
-network namespace, Landlock), builds a process group of its own with the other ranks' program
+every program of a job, each judge asks its zygote for one *program process*: on CPU pools it is
+forked into a pid namespace of its own (`confine.fork_pid_namespace`), then confines itself
+(`confine.confined_child_setup`: output on /dev/null, own session, private directory, the
+program's shared network namespace and private /dev/shm, no privileges, Landlock), builds a process group of its own with the other ranks' program
 processes of the same program (gloo on CPU, NCCL through `RankContext` on GPUs; rendezvous in a
 judge-made folder), says `ready`, and serves the judge's requests (`serve`, by import path) over
 a unix socket until it is told to exit or killed. A program process runs one program and dies;
-the judge kills its whole tree, and as a child subreaper also finds what escaped it.
+the judge kills its whole tree (its pid namespace), waits until it has died, and as a child
+subreaper also finds what escaped it.
 """
 
 from __future__ import annotations
