@@ -589,7 +589,9 @@ def drop_privileges() -> str:
     inheritable capability sets emptied; no new privileges (exec gains none back). SCHED_FIFO,
     renice below 0, raising a limit, mounting, loading modules all fail. The uid stays the
     judge's: its Python and the program's code may be readable by it alone (as under a 0700
-    /root), so files are guarded by Landlock, other processes by the pid namespace. Returns how."""
+    /root), so files are guarded by Landlock, other processes by the pid namespace. Capabilities
+    are a thread's: call it single-threaded (a fresh fork), so every later thread inherits none.
+    Returns how."""
     import resource
 
     resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
