@@ -30,7 +30,15 @@ from commweave.contracts.program import parse_program
 from commweave.evaluate import Evaluator, FailureClass
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import CompileError, compile_cubin
-from commweave.runtime.confine import candidates_root, landlock_abi, net_namespace_available
+from commweave.runtime.confine import (
+    candidates_root,
+    descendants,
+    landlock_abi,
+    net_namespace_available,
+    pid_namespace_available,
+    privileges_available,
+    shm_namespace_available,
+)
 from commweave.runtime.toolchain import ToolchainError
 from toy_workload import ToyGatherMatmul
 from worker_env import worker_env
@@ -82,6 +90,10 @@ EXPECTED: dict[str, set[FailureClass]] = {
     "stalled_length_header": {F.TIMEOUT},
     "oversized_frame": {F.RUNTIME_ERROR},
     "zeros_then_compute": {F.WRONG_RESULT, F.SUSPECT},
+    "sched_fifo": {F.RUNTIME_ERROR},
+    "renice_zygote": {F.RUNTIME_ERROR},
+    "clone_parent_daemon": {F.RUNTIME_ERROR, F.TAMPERING},
+    "shm_state": {F.RUNTIME_ERROR},
 }
 # Run in the judge's own process, these would kill the test run itself (its parent, its group).
 KILLS_ITS_PARENT = {"kill_parent", "kill_judge_group", "kill_own_group"}
@@ -93,6 +105,11 @@ NEEDS_LANDLOCK = {"write_run_db", "read_run_db", "secret_parent_environ", "secre
 NEEDS_NETNS = {"socket_exfil"}
 # Hang a judge whose reads have no deadline: the judge itself must report them, no judge restarted.
 STALLS_A_READ = {"stalled_length_header", "oversized_frame"}
+# Stopped by a pid namespace (nothing outside it can be named; all it starts dies with it), a
+# private /dev/shm, or shedding every privilege: where the kernel (or a non-root judge) refuses one.
+NEEDS_PIDNS = {"renice_zygote", "clone_parent_daemon"}
+NEEDS_SHM = {"shm_state"}
+NEEDS_PRIVILEGES = {"sched_fifo"}
 JOB_TIMEOUT_S = 20  # the sleeper waits this long; honest jobs take well under a second here
 HONEST_ITERS = 20  # timed batches of >= 25 ms each (a batch replaced ~25 single-call iterations)
 MAX_TIMING_LOAD = 3.0  # runnable processes per core up to which the ~1.0x check is asserted (as in test_evaluate_cpu)
@@ -211,11 +228,23 @@ def leftover_processes(wait_s: float = 5.0) -> list[int]:
 
 def escaped_files(world: dict) -> list[Path]:
     folders = [world["outside"], Path("/tmp"), Path("/var/tmp"), Path(tempfile.gettempdir()), candidates_root(),
-               candidates_root().parent, Path.cwd()]
+               candidates_root().parent, Path.cwd(), Path("/dev/shm")]
     found = [p for folder in folders for p in folder.glob(f"*{MARKER}*")]
     found += list(world["outside"].iterdir())
     for path in found:
         path.unlink(missing_ok=True)
+    return found
+
+
+def zygotes() -> dict[int, tuple]:
+    """The pool's program zygotes (below this test process) and what no program may change in
+    them, since every later program inherits it: nice, CPU affinity, resource limits."""
+    found = {}
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            if b"_zygote_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+                found[pid] = (nice, sorted(os.sched_getaffinity(pid)), Path(f"/proc/{pid}/limits").read_text())
     return found
 
 
@@ -243,18 +272,26 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
         pytest.skip("no Landlock on this kernel: a candidate can read and write what this user can")
     if name in NEEDS_NETNS and net_namespace_available() is not None:
         pytest.skip(f"no network namespace here ({net_namespace_available()}): a candidate can open sockets")
+    for needs, refused in ((NEEDS_PIDNS, pid_namespace_available), (NEEDS_SHM, shm_namespace_available),
+                           (NEEDS_PRIVILEGES, privileges_available)):
+        if name in needs and (why := refused()) is not None:
+            pytest.skip(f"{refused.__name__.removesuffix('_available')} refused here ({why})")
     evaluator: Evaluator = world["evaluator"]
     if name == "plant_cubin" and not list(world["cache"].rglob("*.cubin")):
         pytest.skip("no nvcc here: the compile cache holds no cubin to overwrite")
     db_before = digest(world["db_path"])
     cache_before = digest(world["cache"])
     heard_before = len(world["listener"].received)
+    zygotes_before = zygotes()
 
     result = evaluator.evaluate(program(name, world), SHAPE)
 
     said = " ".join(filter(None, [result.verdict.message, result.verdict.detail]
                            + [t.verdict.message + t.verdict.detail for t in [result.candidate, *result.baselines.values()] if t]))
     leftovers = leftover_processes()
+    zygotes_after = zygotes()
+    changed = {pid: zygotes_after[pid] for pid in zygotes_before.keys() & zygotes_after.keys()
+               if zygotes_before[pid] != zygotes_after[pid]}
     escaped = escaped_files(world)
     problems = []
     if result.fitness != 0 or result.verdict.ok:
@@ -284,6 +321,8 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
         problems.append(f"it stalled the judge until the pool restarted it: {result.verdict.message}")
     if escaped:
         problems.append(f"it wrote outside its private folder: {escaped}")
+    if changed:
+        problems.append(f"it changed the priority, CPUs or limits of a program zygote: {sorted(changed)}")
     assert not problems, f"{name}: " + "; ".join(problems)
 
     honest = world["honest"].evaluate((TESTS / "programs_cpu" / "host.py").read_text(), SHAPE)
@@ -292,3 +331,11 @@ def test_hostile_program_fails_leaks_nothing_and_the_next_honest_one_passes(worl
     load = os.getloadavg()[0] / (os.cpu_count() or 1)
     if load <= MAX_TIMING_LOAD:  # beyond it, other processes' scheduling decides medians, not the judge
         assert 0.5 < honest.fitness < 2.0, f"after {name}: the baseline-equal program measured {honest.fitness:.2f}x"
+
+
+def test_an_honest_program_with_four_forked_helpers_is_never_read_as_tampering(world):
+    """The control: helpers killed with their program are still dying when the judge looks for
+    escapees; only processes alive after the program's processes drained may count."""
+    source = (TESTS / "programs_cpu" / "forked_helpers.py").read_text()
+    verdicts = [world["evaluator"].check(source) for _ in range(5)]
+    assert all(v.ok for v in verdicts), [v.message for v in verdicts if not v.ok]

@@ -363,7 +363,7 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
     with confine.private_workdir() as workdir:
         out = in_child(child, workdir)
     assert not outside.exists()
-    assert out["checks"] == ["pdeathsig", "process group", "private dir", "landlock"]
+    assert out["checks"] == ["output", "pdeathsig", "process group", "private dir", "landlock"]
     denied = "PermissionError"
     assert out["read_run_db"] == out["write_run_db"] == out["write_outside"] == denied
     assert out["read_parent_environ"] == out["read_parent_cmdline"] == out["list_parent_fds"] == denied
@@ -376,8 +376,8 @@ def test_landlock_confines_reads_writes_proc_and_signals(tmp_path):
 
 def test_status_names_every_confinement_once():
     checks = confine.status()
-    assert [c.name for c in checks] == ["env allowlist", "private dir", "landlock", "network namespace", "pdeathsig",
-                                        "process group"]
+    assert [c.name for c in checks] == ["env allowlist", "private dir", "landlock", "network namespace", "pid namespace",
+                                        "private /dev/shm", "privileges", "output", "pdeathsig", "process group"]
     landlock = next(c for c in checks if c.name == "landlock")
     assert landlock.in_force == (confine.landlock_abi() >= 1)
     assert all("\n" not in c.line() for c in checks)
@@ -391,7 +391,8 @@ def test_doctor_prints_one_line_per_confinement():
     result = CliRunner().invoke(app, ["doctor"], terminal_width=80)
     lines = [line.strip() for line in result.output.splitlines()]
     start = lines.index("candidate confinement")
-    for check, line in zip(confine.status(), lines[start + 1:start + 7], strict=True):
+    checks = confine.status()
+    for check, line in zip(checks, lines[start + 1:start + 1 + len(checks)], strict=True):
         assert line.startswith(("yes", "NO")) and f"{check.name}: " in line, line
 
 
@@ -419,7 +420,7 @@ def test_an_unprivileged_user_gets_the_namespace_through_a_user_namespace_and_ra
     confine.remove_tree(rendezvous)
     if answers[0][1].startswith(("PermissionError", "OSError")):
         pytest.skip(f"unprivileged user namespaces are not allowed here: {answers[0][1]}")
-    assert [a[1] for a in answers] == ["in a user namespace", "joined rank 0's"], answers
+    assert [a[1] for a in answers] == ["in a user namespace", "joined rank 0's network namespace"], answers
     assert answers[0][2] == answers[1][2] != os.stat("/proc/self/ns/net").st_ino
     assert answers[0][3] == answers[1][3] == ["lo"]
 
@@ -435,3 +436,201 @@ def test_the_cuda_probe_confines_a_fresh_interpreter_and_reports_what_cuda_said(
 
     if torch.cuda.device_count() == 0:
         assert [(c.in_force, c.detail) for c in checks] == [(False, "no CUDA GPU visible")] * 2
+
+
+# -- pid namespace, privileges, /dev/shm, output, freezing -------------------------------------
+PIDNS_MISSING = confine.pid_namespace_available()
+needs_pidns = pytest.mark.skipif(PIDNS_MISSING is not None, reason=f"no pid namespace here: {PIDNS_MISSING}")
+
+
+def in_pid_namespace(body: str) -> tuple[int, dict]:
+    """Fork a program process into a pid namespace of its own (this test standing in for the
+    zygote) that runs `body` (Python, with `report(dict)` to answer) and then sleeps: (the
+    namespace's init's pid, the report)."""
+    read, write = os.pipe()
+    init = confine.fork_pid_namespace([read, write])
+    if init == 0:
+        try:
+            os.close(read)
+
+            def report(answer: dict) -> None:
+                os.write(write, json.dumps(answer).encode() + b"\n")
+                os.close(write)
+
+            exec(body, {"report": report, "os": os, "confine": confine, "time": time, "signal": signal})
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:  # one line: the program's helpers hold the pipe open
+        return init, json.loads(pipe.readline())
+
+
+@needs_pidns
+def test_a_program_in_its_pid_namespace_names_nothing_outside_and_dies_whole_with_its_init():
+    outside = os.getpid()
+    init, seen = in_pid_namespace(textwrap.dedent(f"""
+        def attempt(fn):
+            try:
+                fn()
+                return "allowed"
+            except OSError as exc:
+                return type(exc).__name__
+        helpers = []
+        for detach in (False, True):  # one plain helper, one double-forked into a session of its own
+            r, w = os.pipe()
+            if os.fork() == 0:
+                if detach:
+                    os.setsid()
+                    if os.fork():
+                        os._exit(0)
+                os.write(w, str(confine.global_pid()).encode())
+                time.sleep(60)
+            helpers.append(int(os.read(r, 32)))
+        report({{"pid": os.getpid(), "ppid": os.getppid(), "global": confine.global_pid(), "helpers": helpers,
+                 "signal": attempt(lambda: os.kill({outside}, 0)),
+                 "renice": attempt(lambda: os.setpriority(os.PRIO_PROCESS, {outside}, 19)),
+                 "pin": attempt(lambda: os.sched_setaffinity({outside}, {{0}}))}})
+    """))
+    try:
+        assert seen["pid"] == init + 1 and seen["ppid"] == 1  # a pid of its own, below the namespace's init
+        assert seen["signal"] == seen["renice"] == seen["pin"] == "ProcessLookupError"
+        assert confine.program_process(init) == seen["global"]
+        assert all(alive(p) for p in [seen["global"], *seen["helpers"]])
+        os.kill(init, signal.SIGKILL)  # killed from outside: everything in the namespace goes too
+        os.waitpid(init, 0)
+        assert all(wait_dead(p) for p in [seen["global"], *seen["helpers"]]), "a process outlived its namespace"
+    finally:
+        confine.kill_tree(init)
+
+
+@needs_pidns
+def test_the_init_exits_as_its_program_did_once_the_namespace_has_drained():
+    init, seen = in_pid_namespace(textwrap.dedent("""
+        r, w = os.pipe()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.write(w, str(confine.global_pid()).encode())
+            time.sleep(60)
+        report({"helper": int(os.read(r, 32))})
+        os._exit(3)
+    """))
+    _, status = os.waitpid(init, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+    assert not alive(seen["helper"])  # gone before the init could be reaped
+    assert Path("/proc/self/ns/pid_for_children").stat().st_ino == Path("/proc/self/ns/pid").stat().st_ino
+
+
+def test_shed_privileges_refuse_real_time_priority_renice_and_raised_limits():
+    if (why := confine.privileges_available()) is not None:
+        pytest.skip(f"privileges cannot be shed here: {why}")
+
+    def child():
+        import resource
+
+        how = confine.drop_privileges()
+        out = {"how": how, "capabilities": confine.capabilities()}
+        for name, fn in (("sched_fifo", lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))),
+                         ("renice_up", lambda: os.setpriority(os.PRIO_PROCESS, 0, -5)),
+                         ("raise_limit", lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))),
+                         ("rtprio", lambda: resource.setrlimit(resource.RLIMIT_RTPRIO, (1, 1)))):
+            try:
+                fn()
+                out[name] = "allowed"
+            except (OSError, ValueError) as exc:
+                out[name] = type(exc).__name__
+        return out
+
+    out = in_child(child)
+    assert out["capabilities"] == 0 and "no capabilities" in out["how"]
+    assert out["sched_fifo"] == out["renice_up"] == "PermissionError"
+    assert out["raise_limit"] in ("PermissionError", "ValueError") and out["rtprio"] in ("PermissionError", "ValueError")
+
+
+def test_a_program_process_writes_nothing_to_the_judges_stdout_or_stderr(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("the judge's line\n")
+
+    def child(workdir):
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        confine.confined_child_setup(workdir=workdir, env=dict(os.environ), network=False, filesystem=False)
+        print("rank 0: fitness 9.99 (forged)", flush=True)
+        os.write(2, b"forged\n")
+        with contextlib.suppress(OSError):
+            os.ftruncate(1, 0)
+        return True
+
+    with confine.private_workdir() as workdir:
+        assert in_child(child, workdir)
+    assert log.read_text() == "the judge's line\n"
+
+
+def test_the_zygote_writes_nothing_to_the_judges_stdout():
+    from commweave.runtime.candidate import Zygote
+
+    zygote = Zygote(["json"])
+    try:
+        assert os.readlink(f"/proc/{zygote.pid}/fd/1") == os.devnull
+        assert os.readlink(f"/proc/{zygote.pid}/fd/2") != os.readlink("/proc/self/fd/2")
+    finally:
+        zygote.close()
+
+
+@pytest.mark.skipif(confine.shm_namespace_available() is not None, reason="no private /dev/shm here")
+def test_a_programs_ranks_share_a_private_dev_shm_that_leaves_nothing_behind(tmp_path):
+    marker = f"cw_shm_{os.getpid()}"
+
+    def rank(r):
+        confine.share_namespaces(r, tmp_path, network=False, shm=True, timeout_s=20)
+        Path(f"/dev/shm/{marker}_{r}").write_text(str(r))
+        other = Path(f"/dev/shm/{marker}_{1 - r}")
+        deadline = time.monotonic() + 20
+        while not other.exists() and time.monotonic() < deadline:  # rank 0's namespace lives until both wrote
+            time.sleep(0.01)
+        return {"sees_peer": other.exists(), "size": os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize}
+
+    answers = in_children(2, rank)
+    assert all(a["sees_peer"] for a in answers)
+    assert all(a["size"] == confine.SHM_BYTES for a in answers)
+    assert not list(Path("/dev/shm").glob(f"{marker}_*"))  # neither the machine's /dev/shm nor a later program's
+
+
+def test_freeze_stops_a_whole_tree_until_thaw():
+    tree = subprocess.Popen([sys.executable, "-c", "import os, time\n"
+                             "if os.fork() == 0:\n    while True: pass\n"
+                             "while True: pass"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not confine.descendants(tree.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        everyone = {tree.pid} | confine.descendants(tree.pid)
+        assert len(everyone) == 2
+
+        def states():
+            return {Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] for p in everyone}
+
+        confine.freeze(tree.pid)
+        time.sleep(0.1)
+        assert states() == {"T"}
+        confine.thaw(tree.pid)
+        time.sleep(0.1)
+        assert "T" not in states()
+    finally:
+        confine.kill_tree(tree.pid)
+
+
+def test_the_judge_warns_once_for_a_piece_the_machine_refuses(monkeypatch):
+    import warnings
+
+    from commweave.runtime import candidate
+
+    monkeypatch.setattr(candidate, "_CONFINEMENT", None)
+    monkeypatch.setattr(confine, "pid_namespace_available", lambda: "needs a root judge")
+    with pytest.warns(UserWarning, match=r"without: pid namespace \(needs a root judge\)"):
+        rules = candidate.confinement("cpu", "commweave.evaluate.runner:serve")
+    assert not rules.pid_namespace
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert candidate.confinement("cpu", "commweave.evaluate.runner:serve") is rules

@@ -3,20 +3,21 @@
 Each judge process (a `WorkerPool` worker, one per rank) owns a *zygote*: a Python interpreter
 exec'd with the allowlisted environment (`confine.candidate_env`, so no secret is in its memory
 or its /proc environ), which imports torch and the program side once and then only forks. For
-every program of a job, each judge asks its zygote for one *program process*: the fork confines
-itself (`confine.confined_child_setup`: own session, private directory, the program's shared
-network namespace, Landlock), builds a process group of its own with the other ranks' program
+every program of a job, each judge asks its zygote for one *program process*: on CPU pools it is
+forked into a pid namespace of its own (`confine.fork_pid_namespace`), then confines itself
+(`confine.confined_child_setup`: output on /dev/null, own session, private directory, the
+program's shared network namespace and private /dev/shm, no privileges, Landlock), builds a process group of its own with the other ranks' program
 processes of the same program (gloo on CPU, NCCL through `RankContext` on GPUs; rendezvous in a
 judge-made folder), says `ready`, and serves the judge's requests (`serve`, by import path) over
 a unix socket until it is told to exit or killed. A program process runs one program and dies;
-the judge kills its whole tree, and as a child subreaper also finds what escaped it.
+the judge kills its whole tree (its pid namespace), waits until it has died, and as a child
+subreaper also finds what escaped it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -78,7 +79,10 @@ def _zygote_main(control_fd: int, preload: list[str]) -> None:
         reap()
         if message[0] == "fork":
             child_fd = recv_handle(control)
-            pid = os.fork()
+            if message[1]["pid_namespace"]:  # the judge's handle is then the namespace's init
+                pid = confine.fork_pid_namespace([child_fd, control.fileno()])
+            else:
+                pid = os.fork()
             if pid == 0:
                 control.close()
                 _program_main(child_fd, message[1])  # never returns
@@ -97,7 +101,7 @@ def _program_main(fd: int, args: dict[str, Any]) -> None:
         checks = confine.confined_child_setup(
             workdir=args["workdir"], env=args["env"], rank=args["rank"], world_size=args["world_size"],
             rendezvous=args["rendezvous"], network=args["network"], filesystem=args["filesystem"],
-            deny_read=args["deny_read"], keep_fds=[fd])
+            shm=args["shm"], privileges=args["privileges"], deny_read=args["deny_read"], keep_fds=[fd])
         confined = time.perf_counter()
         from commweave.runtime.pool import _build_context, resolve_function
 
@@ -110,11 +114,12 @@ def _program_main(fd: int, args: dict[str, Any]) -> None:
         os._exit(2)
     conn.send({"ready": {"confine_s": confined - began, "init_s": time.perf_counter() - confined,
                          "confined": [c.line() for c in checks]}})
-    code = 0
-    try:
+    code = 1  # serve reports program errors itself; anything it raises ends us
+    with contextlib.suppress(BaseException):
         serve(ctx, conn)
-    except BaseException:  # noqa: BLE001 - serve reports program errors itself; anything else ends us
-        code = 1
+        code = 0
+        while True:  # until the judge hangs up: it looks for escaped processes while this one lives
+            conn.receive(None)
     os._exit(code)
 
 
@@ -126,11 +131,13 @@ class Zygote:
         env = confine.candidate_env(os.environ)
         if env.get("PYTHONPATH"):  # it starts in another directory: relative entries would point elsewhere
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+        # never the judge's stdout/stderr (its log): a file of its own, read when it fails to start
+        self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from commweave.runtime.candidate import _zygote_main; "
              "_zygote_main(int(sys.argv[1]), sys.argv[2:])", str(theirs.fileno()), *preload],
-            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=confine.candidates_root(),
-            start_new_session=True)
+            env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=self._stderr, cwd=confine.candidates_root(), start_new_session=True)
         theirs.close()
         self._control = Connection(ours.detach())
         if not self._control.poll(ZYGOTE_START_S):
@@ -140,8 +147,10 @@ class Zygote:
             _, self.pid = self._control.recv()
         except EOFError:
             code = self._proc.wait()
+            self._stderr.seek(0)
+            said = self._stderr.read().decode(errors="replace").strip().splitlines()
             raise ProgramStartError(f"the program zygote exited with code {code} while importing "
-                                    f"{', '.join(preload)}") from None
+                                    f"{', '.join(preload)}: {said[-1] if said else 'it said nothing'}") from None
 
     @property
     def alive(self) -> bool:
@@ -171,6 +180,7 @@ class Zygote:
         confine.kill_tree(self._proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=5)
+        self._stderr.close()
 
 
 _ZYGOTE: Zygote | None = None
@@ -199,6 +209,9 @@ class Confinement:
 
     network: bool
     filesystem: bool
+    pid_namespace: bool = False
+    shm: bool = False
+    privileges: bool = False
     dropped: str = ""
 
 
@@ -209,17 +222,33 @@ def confinement(device: str, serve: str) -> Confinement:
     """What this machine offers; on GPUs, also what lets a program process start CUDA and NCCL."""
     global _CONFINEMENT
     if _CONFINEMENT is None:
-        offered = Confinement(network=confine.net_namespace_available() is None, filesystem=confine.landlock_abi() >= 1)
+        refusals = {"network namespace": confine.net_namespace_available(),
+                    "Landlock": None if confine.landlock_abi() >= 1 else "not on this kernel",
+                    "pid namespace": confine.pid_namespace_available(),
+                    "private /dev/shm": confine.shm_namespace_available(),
+                    "privileges dropped": confine.privileges_available()}
+        if device == "cuda":  # legacy CUDA IPC (the judge's buffers) works within one pid namespace only, and
+            # torch's IPC reference counts are files of the machine's /dev/shm that a program opens by name
+            refusals["pid namespace"] = refusals["pid namespace"] or "CUDA IPC crosses no pid namespace"
+            refusals["private /dev/shm"] = refusals["private /dev/shm"] or "torch's CUDA IPC opens the judge's there"
+        offered = Confinement(*(refusals[k] is None for k in ("network namespace", "Landlock", "pid namespace",
+                                                              "private /dev/shm", "privileges dropped")))
+        refused = "; ".join(f"{k} ({why})" for k, why in refusals.items() if why is not None)
+        if refused:  # once per judge: the kernel, not a candidate, decides these
+            warnings.warn(f"program processes run without: {refused} (see `commweave doctor`)", stacklevel=2)
         _CONFINEMENT = _startable(offered, serve, device) if device == "cuda" else offered
     return _CONFINEMENT
 
 
 def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
     """Start a throwaway program process (a world of one; on GPUs its CUDA context and NCCL
-    communicator) under `offered`; where it cannot start, try without Landlock, then without the network namespace,
-    then without both, and warn which was dropped: a judge whose programs cannot start on its GPUs
-    judges nothing at all."""
-    tries = [offered, replace(offered, filesystem=False), replace(offered, network=False), Confinement(False, False)]
+    communicator) under `offered`; where it cannot start, try without each piece in turn
+    (Landlock, the network namespace, the pid namespace, the private /dev/shm, dropped
+    privileges), then without all, and warn which was dropped: a judge whose programs cannot
+    start on its GPUs judges nothing at all."""
+    tries = [offered, replace(offered, filesystem=False), replace(offered, network=False),
+             replace(offered, pid_namespace=False), replace(offered, shm=False), replace(offered, privileges=False),
+             Confinement(False, False)]
     failures: list[str] = []
     for rules in dict.fromkeys(tries):
         rendezvous = make_rendezvous()
@@ -229,18 +258,22 @@ def _startable(offered: Confinement, serve: str, device: str) -> Confinement:
             proc.await_ready(time.monotonic() + ZYGOTE_START_S, lambda: False)
             proc.close()
         except ProgramStartError as exc:
-            failures.append(f"network namespace {rules.network}, Landlock {rules.filesystem}: {exc}")
+            failures.append(f"{_pieces(rules)}: {exc}")
             continue
         finally:
             remove_rendezvous(rendezvous)
         if not failures:
             return rules
         dropped = "; ".join(failures)
-        warnings.warn(f"program processes run with less confinement on this machine (network namespace "
-                      f"{rules.network}, Landlock {rules.filesystem}); none could start with more: {dropped}",
-                      stacklevel=2)
+        warnings.warn(f"program processes run with less confinement on this machine ({_pieces(rules)}); "
+                      f"none could start with more: {dropped}", stacklevel=2)
         return replace(rules, dropped=dropped)
     raise ProgramStartError("no program process can start on this machine: " + "; ".join(failures))
+
+
+def _pieces(rules: Confinement) -> str:
+    return (f"network namespace {rules.network}, Landlock {rules.filesystem}, pid namespace {rules.pid_namespace}, "
+            f"private /dev/shm {rules.shm}, privileges dropped {rules.privileges}")
 
 
 # -- judge side: one program process --------------------------------------------------------------
@@ -286,6 +319,7 @@ class ProgramProcess:
     stop_at_reply: bool = False
     stopped: bool = False
     replied_at: float = 0.0  # perf_counter() when the last answer arrived (before any stop)
+    program_pid: int | None = None  # below `pid` (its namespace's init) in a pid namespace; else `pid` itself
 
     @classmethod
     def spawn(cls, *, rank: int, world_size: int, device: str, rendezvous: Path, serve: str,
@@ -296,13 +330,14 @@ class ProgramProcess:
         z = zygote(serve)
         args = dict(rank=rank, world_size=world_size, device=device, rendezvous=str(rendezvous), serve=serve,
                     workdir=str(workdir), env=confine.candidate_env(os.environ, workdir),
-                    network=rules.network, filesystem=rules.filesystem, deny_read=confine.run_paths())
+                    network=rules.network, filesystem=rules.filesystem, pid_namespace=rules.pid_namespace,
+                    shm=rules.shm, privileges=rules.privileges, deny_read=confine.run_paths())
         try:
             pid, conn = z.fork(args)
         except ProgramStartError:
             stack.close()
             raise
-        return cls(pid, conn, z, stack)
+        return cls(pid, conn, z, stack, program_pid=None if rules.pid_namespace else pid)
 
     def await_ready(self, deadline: float, abort: Callable[[], bool]) -> None:
         """Wait until it is confined and its process group is up; ProgramStartError if not. (No
@@ -310,6 +345,8 @@ class ProgramProcess:
         reply = self.wait(deadline, abort)
         if reply.status == "ok" and _ready_fields(reply.value.get("ready")):
             self.ready = reply.value["ready"]
+            if self.program_pid is None:
+                self.program_pid = confine.program_process(self.pid)
             return
         self.close()
         if reply.status == "aborted":
@@ -368,31 +405,32 @@ class ProgramProcess:
                                         f"{sorted(answer)[:5]}")
 
     def stop(self, deadline: float) -> None:
-        """SIGSTOP the program's process group and wait (until `deadline`) for every thread of the
-        program process to be stopped; its other processes got the same signal."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGSTOP)
-            self.stopped = True
-        while self.stopped and time.monotonic() < deadline and not _all_threads_stopped(self.pid):
+        """Stop the program's processes (`confine.freeze`: its pid namespace's init and all below
+        it, or its tree) and wait (until `deadline`) for every thread of the program process to be
+        stopped."""
+        confine.freeze(self.pid)
+        self.stopped = True
+        target = self.program_pid or self.pid
+        while time.monotonic() < deadline and not _all_threads_stopped(target):
             time.sleep(0.0001)
 
     def resume(self) -> None:
-        """SIGCONT what `stop` stopped."""
+        """Continue what `stop` stopped."""
         if self.stopped:
             self.stopped = False
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGCONT)
+            confine.thaw(self.pid)
 
     def close(self) -> int:
-        """Kill the program process's whole tree, then whatever escaped it (double-forked, now our
-        children); remove its private directory. Returns how many processes had escaped: in a
-        session other than the program's, or reparented to the judge."""
+        """Kill the program process's whole tree (its pid namespace with it), wait until it has
+        died, then whatever escaped it (double-forked, now our children); remove its private
+        directory. Returns how many processes had escaped: in a session other than the program's,
+        or reparented to the judge and alive after the program drained."""
         if self.closed:
             return 0
         self.closed = True
+        left = confine.left_session(self.pid, self.program_pid) if self.program_pid else set()
         with contextlib.suppress(OSError):
             self.conn.close()
-        left = confine.left_session(self.pid)  # still below it, but in a session of their own
         confine.kill_tree(self.pid)
         self.zygote.exit_code(self.pid)  # let the zygote reap it
         orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)

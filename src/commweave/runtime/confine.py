@@ -28,7 +28,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,10 +174,22 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
     """PR_SET_PDEATHSIG: this process gets `sig` when the thread that forked it ends; exits at
     once if `parent` (default: the current parent) is already gone. Reset by fork: every process
     calls it for itself."""
-    expected = os.getppid() if parent is None else parent
+    expected = proc_parent() if parent is None else parent
     _prctl(PR_SET_PDEATHSIG, sig)
-    if os.getppid() != expected:
+    if proc_parent() != expected:
         os._exit(1)
+
+
+def global_pid() -> int:
+    """This process's pid as the machine's /proc names it (inside a pid namespace os.getpid() is
+    the namespace's own number)."""
+    return int(os.readlink("/proc/self"))
+
+
+def proc_parent(pid: int | str = "self") -> int:
+    """The parent's pid as the machine's /proc names it (os.getppid() is 0 for a parent outside
+    the caller's pid namespace)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def new_session() -> None:
@@ -204,10 +216,10 @@ def _parents() -> dict[int, int]:
     return parents
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid`."""
+def descendants(pid: int, parents: dict[int, int] | None = None) -> set[int]:
+    """Every live process below `pid` (in `parents`, a snapshot of `_parents()`, when given)."""
     children: dict[int, list[int]] = {}
-    for child, parent in _parents().items():
+    for child, parent in (_parents() if parents is None else parents).items():
         children.setdefault(parent, []).append(child)
     found: set[int] = set()
     todo = list(children.get(pid, []))
@@ -219,18 +231,29 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def left_session(pid: int) -> set[int]:
-    """Descendants of `pid` in a session other than its own: a program process leads its session,
-    so anything below it elsewhere called setsid() to dodge a group kill (honest programs do not)."""
+def left_session(root: int, program: int | None = None) -> set[int]:
+    """Live processes below `root` that left the program process `program` (default: `root`
+    itself; else below it, as below its pid namespace's init): in a session other
+    than the program's, or no longer below it (double-forked, reparented to its namespace's
+    init). A program process leads its session; honest programs neither setsid() nor orphan."""
+    program = root if program is None else program
     try:
-        session = os.getsid(pid)
+        session = os.getsid(program)
     except ProcessLookupError:
         return set()
+    if not _alive(program):  # ended: its namespace's init, about to exit, is no escapee
+        return set()
+    parents = _parents()
+    chain, up = set(), parents.get(program)
+    while up is not None and up != root and up not in chain:  # between them: not the program's
+        chain.add(up)
+        up = parents.get(up)
+    below = descendants(program, parents)
     escaped = set()
-    for child in descendants(pid):
+    for other in descendants(root, parents) - chain - {program}:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getsid(child) != session:
-                escaped.add(child)
+            if _alive(other) and (other not in below or os.getsid(other) != session):
+                escaped.add(other)
     return escaped
 
 
@@ -256,8 +279,43 @@ def kill_tree(pid: int, keep: Iterable[int] = (), include_root: bool = True) -> 
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(v, sig)
         killed |= victims
+        _wait_dead(victims)
         _reap(victims)
     return len(killed)
+
+
+def _wait_dead(pids: set[int], timeout_s: float = 10.0) -> None:
+    """Wait until every one of `pids` has died (a zombie counts): a SIGKILLed process tearing down
+    a large address space is still running for a while, and read as alive then it would look
+    like something that escaped."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+
+def freeze(pid: int) -> None:
+    """Stop `pid` and every process below it (SIGSTOP, again for whatever a process forked in the
+    meantime, until none is new): the whole program stands still until `thaw`, e.g. from the
+    moment its reply arrives until the judge has read its output. Give a program's
+    `ProgramProcess.pid` (its pid namespace's init, where it has one) to reach all of it."""
+    stopped: set[int] = set()
+    for _ in range(50):
+        todo = ({pid} | descendants(pid)) - stopped
+        if not todo:
+            return
+        for victim in todo:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(victim, signal.SIGSTOP)
+        stopped |= todo
+        time.sleep(0.001)
+
+
+def thaw(pid: int) -> None:
+    """Let `pid` and every process below it run again (SIGCONT) after `freeze`."""
+    for victim in {pid} | descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGCONT)
 
 
 def _alive(pid: int) -> bool:
@@ -335,42 +393,92 @@ def new_net_namespace() -> str:
 
 
 def share_net_namespace(rank: int, rendezvous: Path, timeout_s: float = 60.0) -> str:
-    """All ranks of one program in one network namespace: rank 0 makes it (`new_net_namespace`) and
-    publishes its pid and namespace inode in `rendezvous`; the others wait for that and join it.
-    Must run before any other confinement (joining needs ptrace access to rank 0, which Landlock
-    removes)."""
+    """All ranks of one program in one network namespace (`share_namespaces` with the network only)."""
+    return share_namespaces(rank, rendezvous, network=True, shm=False, timeout_s=timeout_s)[0]
+
+
+def share_namespaces(rank: int, rendezvous: Path, network: bool = True, shm: bool = False,
+                     timeout_s: float = 60.0) -> list[str]:
+    """All ranks of one program in one network namespace (`new_net_namespace`) and, with `shm`,
+    one mount namespace with a private /dev/shm (`new_shm_namespace`; NCCL's ranks meet there):
+    rank 0 makes them and publishes its pid (as /proc names it) and their inodes in `rendezvous`;
+    the others wait for that and join. Returns how, one line per namespace. Must run before any
+    other confinement (joining needs privileges over rank 0, which the later pieces remove)."""
     target = rendezvous / NETNS_FILE
+    kinds = [k for k, wanted in (("net", network), ("mnt", shm)) if wanted]
     if rank == 0:
-        how = new_net_namespace()
-        staged = rendezvous / f".{NETNS_FILE}.{os.getpid()}"
-        staged.write_text(json.dumps({"pid": os.getpid(), "net": _ns_inode("net"), "user": _ns_inode("user")}))
+        how = [new_net_namespace()] if network else []
+        how += [new_shm_namespace()] if shm else []
+        staged = rendezvous / f".{NETNS_FILE}.{global_pid()}"
+        info = {"pid": global_pid(), "user": _ns_inode("user"), **{k: _ns_inode(k) for k in kinds}}
+        staged.write_text(json.dumps(info))
         staged.replace(target)
         return how
     deadline = time.monotonic() + timeout_s
     while not target.exists():
         if time.monotonic() > deadline:
-            raise ConfineError(f"rank 0 published no network namespace in {rendezvous} within {timeout_s:.0f} s")
+            raise ConfineError(f"rank 0 published no namespaces in {rendezvous} within {timeout_s:.0f} s")
         time.sleep(0.01)
     info = json.loads(target.read_text())
     pid = info["pid"]
-    if _ns_inode("net", pid) != info["net"]:
-        raise ConfineError(f"rank 0's network namespace (pid {pid}) is gone")
+    if any(k not in info for k in kinds):
+        raise ConfineError(f"rank 0 made no {' and '.join(k for k in kinds if k not in info)} namespace")
+    if any(_ns_inode(k, pid) != info[k] for k in kinds):
+        raise ConfineError(f"rank 0's namespaces (pid {pid}) are gone")
     if _ns_inode("user", pid) != _ns_inode("user"):
         _setns(f"/proc/{pid}/ns/user", CLONE_NEWUSER)
-    _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET)
-    if _ns_inode("net") != info["net"]:
-        raise ConfineError(f"joined the wrong network namespace (rank 0 was pid {pid})")
-    return "joined rank 0's"
+    for kind in kinds:
+        _setns(f"/proc/{pid}/ns/{kind}", {"net": CLONE_NEWNET, "mnt": CLONE_NEWNS}[kind])
+        if _ns_inode(kind) != info[kind]:
+            raise ConfineError(f"joined the wrong {kind} namespace (rank 0 was pid {pid})")
+    return [f"joined rank 0's {'network' if k == 'net' else 'mount'} namespace" for k in kinds]
+
+
+# -- private /dev/shm -------------------------------------------------------------------------------
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_REC, MS_SLAVE = 0x2, 0x4, 0x4000, 0x80000
+SHM_BYTES = 1 << 30  # per program, all its ranks together: NCCL's shared-memory transport fits many times
+
+
+def new_shm_namespace(size_bytes: int = SHM_BYTES) -> str:
+    """This process moves into a mount namespace of its own (nothing it mounts reaches the
+    machine's) with a fresh tmpfs of `size_bytes` on /dev/shm: nothing shared with other programs,
+    nothing left when the namespace's last process ends. Needs root; call it single-threaded."""
+    _unshare(CLONE_NEWNS)
+    _mount(None, "/", None, MS_REC | MS_SLAVE, None)
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_bytes},mode=1777")
+    return f"private /dev/shm ({size_bytes >> 20} MiB tmpfs)"
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    def c(text: str | None) -> bytes | None:
+        return None if text is None else text.encode()
+
+    if _libc.mount(c(source), c(target), c(fstype), ctypes.c_ulong(flags), c(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
 
 def net_namespace_available() -> str | None:
     """None if this machine lets us make a network namespace (tried in a throwaway child), else why not."""
+    return refused(new_net_namespace)
+
+
+def shm_namespace_available() -> str | None:
+    """None if a program can get a private /dev/shm here (tried in a throwaway child), else why not."""
+    if os.geteuid() != 0:
+        return "needs a root judge"
+    return refused(new_shm_namespace)
+
+
+def refused(attempt: Callable[[], object]) -> str | None:
+    """Run `attempt` in a throwaway forked child: None if it worked, else the error it raised."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: try, report, leave without running any of the parent's cleanup
         os.close(read)
         try:
-            new_net_namespace()
+            attempt()
             message = b""
         except Exception as exc:  # noqa: BLE001 - any failure is the answer
             message = f"{type(exc).__name__}: {exc}".encode()[:500]
@@ -381,6 +489,141 @@ def net_namespace_available() -> str | None:
         message = pipe.read().decode()
     os.waitpid(pid, 0)
     return message or None
+
+
+# -- pid namespace ----------------------------------------------------------------------------------
+CLONE_NEWPID = 0x20000000
+
+
+def fork_pid_namespace(close_in_init: Iterable[int] = ()) -> int:
+    """Fork (like os.fork: 0 in the child) a program process into a pid namespace of its own: the
+    caller gets the namespace's init, a minimal pid 1 that forks the program process and stays
+    its parent; the program process can name no process outside the namespace (signals, renice,
+    prlimit, affinity, ptrace), and all it starts, reparented or detached, dies when it ends.
+    The init exits when the program process does, as it did (a signal as 128 + its number),
+    once the namespace has emptied: its exit is the program's, drained. The program process's
+    pid inside is the init's outside + 1, unique among a program's ranks (torch names IPC sockets
+    by pid). The init closes `close_in_init` (the program's end of the judge's socket, the
+    caller's own). Needs root; the caller's next children are its own again after the call."""
+    parent = global_pid()
+    _unshare(CLONE_NEWPID)
+    try:
+        init = os.fork()
+    except OSError:
+        _setns("/proc/self/ns/pid", CLONE_NEWPID)
+        raise
+    if init != 0:  # the caller: its next children in its own namespace again
+        _setns("/proc/self/ns/pid", CLONE_NEWPID)
+        return init
+    try:
+        die_with_parent(parent=parent)
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(global_pid()))
+        program = os.fork()
+    except BaseException:  # noqa: BLE001 - the judge sees the program's socket close: it did not start
+        os._exit(2)
+    if program == 0:
+        die_with_parent()
+        return 0
+    for fd in close_in_init:
+        os.close(fd)
+    _init(program)
+
+
+def _init(program: int) -> None:
+    """pid 1 of a program's namespace: reap whatever is reparented here; when the program process
+    ends, exit as it did (the kernel then kills the rest, and our exit waits until it has)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(2)
+        except InterruptedError:
+            continue
+        if pid == program:
+            os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def program_process(init: int) -> int | None:
+    """The program process of a pid namespace's init (its oldest child), or None."""
+    return _oldest_child(init)
+
+
+def _oldest_child(pid: int) -> int | None:
+    children = [c for c, p in _parents().items() if p == pid]
+    started = {}
+    for child in children:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            started[child] = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return min(started, key=lambda c: (started[c], c)) if started else None
+
+
+def pid_namespace_available() -> str | None:
+    """None if program processes can get a pid namespace here (tried in a throwaway child), else why not."""
+    if os.geteuid() != 0:
+        return "needs a root judge"
+
+    def attempt() -> None:
+        read, write = os.pipe()
+        init = fork_pid_namespace([read, write])
+        if init == 0:  # the program process, inside
+            os.write(write, str(os.getpid()).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            inside = pipe.read()
+        _, status = os.waitpid(init, 0)
+        if inside != str(init + 1) or os.waitstatus_to_exitcode(status) != 0:
+            raise ConfineError(f"the program process was pid {inside or 'none'} inside (exit {status})")
+
+    return refused(attempt)
+
+
+# -- privileges -------------------------------------------------------------------------------------
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def drop_privileges() -> str:
+    """No capability and no real-time or raised priority, for good: RLIMIT_RTPRIO 0 and RLIMIT_NICE
+    at its default (0), hard limits too; the bounding, ambient, effective, permitted and
+    inheritable capability sets emptied; no new privileges (exec gains none back). SCHED_FIFO,
+    renice below 0, raising a limit, mounting, loading modules all fail. The uid stays the
+    judge's: its Python and the program's code may be readable by it alone (as under a 0700
+    /root), so files are guarded by Landlock, other processes by the pid namespace. Capabilities
+    are a thread's: call it single-threaded (a fresh fork), so every later thread inherits none.
+    Returns how."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+    for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
+        with contextlib.suppress(OSError):  # without CAP_SETPCAP there is nothing to drop
+            _prctl(PR_CAPBSET_DROP, cap)
+    _libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                ctypes.c_ulong(0))  # fails only before Linux 4.3, which has no ambient set to clear
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    if _libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    return f"uid {os.geteuid()}, no capabilities, RLIMIT_RTPRIO 0, RLIMIT_NICE 0"
+
+
+def capabilities() -> int:
+    """This process's effective capability set (a bit per capability)."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("CapEff:"))
+    return int(line.split()[1], 16)
+
+
+def privileges_available() -> str | None:
+    """None if program processes can shed every privilege here (tried in a throwaway child), else why not."""
+
+    def attempt() -> None:
+        drop_privileges()
+        if capabilities():
+            raise ConfineError(f"capabilities left: {capabilities():#x}")
+
+    return refused(attempt)
 
 
 # -- Landlock ---------------------------------------------------------------------------------------
@@ -482,7 +725,7 @@ def _own_proc_entries() -> list[str]:
     (cpuinfo, meminfo, sys/, driver/, ...) but PROC_WITHHELD, never another process's directory
     (environ, cmdline, fd/, maps of the judge or of anyone else); /proc itself cannot be listed."""
     entries = [os.path.join("/proc", e) for e in os.listdir("/proc") if not e.isdigit() and e not in PROC_WITHHELD]
-    return [*entries, f"/proc/{os.getpid()}"]
+    return [*entries, f"/proc/{global_pid()}"]
 
 
 def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable[Path | str] = (),
@@ -512,7 +755,7 @@ def restrict_filesystem(writable: Iterable[Path | str] = (), deny_read: Iterable
         rules = [(p, FS_READ) for p in _readable_roots(deny)]
         rules += [(p, FS_READ) for p in (_own_proc_entries() if private_proc else [])]
         # its own threads' files (task/<tid>/comm: naming another thread, as CUDA's driver does)
-        rules += [(f"/proc/{os.getpid()}", FS_READ | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))]
+        rules += [(f"/proc/{global_pid()}", FS_READ | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))]
         rules += [(p, FS_READ) for p in _granting_none_of([_real(p) for p in readable], protected)]
         rules += [(p, FS_READ | write) for p in writable_paths]
         for path, access in rules:
@@ -577,17 +820,25 @@ def close_fds(keep: Iterable[int] = ()) -> None:
 def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: int = 0, world_size: int = 1,
                          rendezvous: Path | str | None = None, writable: Iterable[Path | str] = (),
                          deny_read: Iterable[Path | str] = (), keep_fds: Iterable[int] | None = None,
-                         network: bool = True, filesystem: bool = True, memory_limit_bytes: int | None = None,
-                         parent: int | None = None, private_reads: bool = True) -> list[Check]:
-    """First call in a program process, before candidate code: dies with its parent, leads its own
-    session, runs in `workdir` with `env`, joins its program's network namespace (through
-    `rendezvous`, the judge-made folder its ranks share; also writable), Landlock (see
-    `restrict_filesystem`; `deny_read`, e.g. the run's folder, stays unreadable even where an
-    import path holds it), optional data-size limit, then closes fds but `keep_fds` (None: leave
-    them). Returns what is in force; raises ConfineError where an asked-for piece cannot be had —
-    pass network=False / filesystem=False where `status()` says the machine lacks it
-    (private_reads=False: Landlock on writes and signals only, for `probe_cuda`)."""
+                         network: bool = True, filesystem: bool = True, shm: bool = False, privileges: bool = False,
+                         memory_limit_bytes: int | None = None, parent: int | None = None,
+                         private_reads: bool = True) -> list[Check]:
+    """First call in a program process, before candidate code: stdin/stdout/stderr on /dev/null
+    (never the judge's log), dies with its parent, leads its own session, joins its program's
+    network namespace and (`shm`) mount namespace with a private /dev/shm (through `rendezvous`,
+    the judge-made folder its ranks share; also writable), runs in `workdir` with `env`, sheds
+    every privilege (`privileges`, see `drop_privileges`), Landlock (see `restrict_filesystem`;
+    `deny_read`, e.g. the run's folder, stays unreadable even where an import path holds it),
+    optional data-size limit, then closes fds but `keep_fds` (None: leave them). Returns what is
+    in force; raises ConfineError where an asked-for piece cannot be had — pass False for what
+    `status()` says the machine lacks (private_reads=False: Landlock on writes and signals only,
+    for `probe_cuda`)."""
     checks = []
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    checks.append(Check("output", True, "stdin, stdout and stderr on /dev/null"))
     denied = default_deny_read()  # before the swap below
     protected = [str(Path(workdir).parent), *map(str, deny_read)]  # other candidates, the run: never re-allowed
     die_with_parent(parent=parent)
@@ -596,24 +847,35 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
     checks.append(Check("process group", True, f"own session {os.getsid(0)}"))
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(workdir)
+    if network or shm:
+        if world_size > 1 and rendezvous is None:
+            raise ConfineError("namespaces shared by several ranks need their rendezvous folder")
+        try:
+            if world_size > 1:
+                how = share_namespaces(rank, Path(rendezvous), network=network, shm=shm)
+            else:
+                how = ([new_net_namespace()] if network else []) + ([new_shm_namespace()] if shm else [])
+        except OSError as exc:
+            raise ConfineError(f"namespaces: {exc}") from exc
+        if network:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the only interface there: no guessing from the hostname
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            checks.append(Check("network namespace", True, f"{how[0]}, loopback only"))
+        if shm:
+            checks.append(Check("private /dev/shm", True, how[-1]))
+    os.chdir(workdir)  # after joining a mount namespace, which moves us to its root
     tempfile.tempdir = None  # re-read TMPDIR
     checks.append(Check("private dir", True, str(workdir)))
-    if network:
-        if world_size > 1 and rendezvous is None:
-            raise ConfineError("a network namespace for several ranks needs their rendezvous folder")
-        try:
-            how = share_net_namespace(rank, Path(rendezvous)) if world_size > 1 else new_net_namespace()
-        except OSError as exc:
-            raise ConfineError(f"network namespace: {exc}") from exc
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the only interface there: no guessing from the hostname
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        checks.append(Check("network namespace", True, f"{how}, loopback only"))
     if memory_limit_bytes is not None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_DATA, (memory_limit_bytes, memory_limit_bytes))
         checks.append(Check("memory limit", True, f"RLIMIT_DATA {memory_limit_bytes >> 20} MiB"))
+    if privileges:
+        try:
+            checks.append(Check("privileges", True, drop_privileges()))
+        except OSError as exc:
+            raise ConfineError(f"privileges: {exc}") from exc
     if filesystem:
         extra_writable = [workdir, *writable, *([rendezvous] if rendezvous is not None else [])]
         if private_reads:
@@ -632,27 +894,29 @@ def confined_child_setup(*, workdir: Path | str, env: Mapping[str, str], rank: i
 
 
 # -- does CUDA start under it? ---------------------------------------------------------------------
-CUDA_PROBES = {  # name -> confined_child_setup flags; the first is what program processes get
-    "everything": dict(network=True, filesystem=True),
+CUDA_PROBES = {  # name -> confined_child_setup flags; the first is what program processes on GPUs get
+    "everything": dict(network=True, filesystem=True, privileges=True),
+    "privileges kept": dict(network=True, filesystem=True),
     "network namespace only": dict(network=True, filesystem=False),
     "Landlock only": dict(network=False, filesystem=True),
     "Landlock on writes and signals only": dict(network=False, filesystem=True, private_reads=False),
 }
 _PROBE_CHILD = """
-import json, sys
+import json, os, sys
 from commweave.runtime import confine
 flags = json.loads(sys.argv[3])
+report = os.fdopen(os.dup(1), "w")  # stdout itself goes to /dev/null under the confinement
 try:
     confine.confined_child_setup(workdir=sys.argv[1], env=json.loads(sys.argv[2]), **flags)
     import torch
     count = torch.cuda.device_count()
     if count == 0:
-        print(json.dumps({"ok": False, "detail": "no CUDA GPU visible"}))
+        print(json.dumps({"ok": False, "detail": "no CUDA GPU visible"}), file=report)
     else:
         value = torch.ones(4, device="cuda").sum().item()
-        print(json.dumps({"ok": value == 4.0, "detail": f"{count} GPU(s), a kernel ran"}))
+        print(json.dumps({"ok": value == 4.0, "detail": f"{count} GPU(s), a kernel ran"}), file=report)
 except BaseException as exc:
-    print(json.dumps({"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}))
+    print(json.dumps({"ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}), file=report)
 """
 
 
@@ -666,6 +930,8 @@ def probe_cuda(names: Iterable[str] | None = None, timeout_s: float = 180.0) -> 
     for name in names or CUDA_PROBES:
         with private_workdir() as workdir:
             env = candidate_env(os.environ, workdir)
+            if env.get("PYTHONPATH"):  # it starts in `workdir`: relative entries would point elsewhere
+                env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
             argv = [sys.executable, "-c", _PROBE_CHILD, str(workdir), json.dumps(env), json.dumps(CUDA_PROBES[name])]
             try:
                 done = subprocess.run(argv, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s,
@@ -701,6 +967,25 @@ def status() -> list[Check]:
     checks.append(Check("network namespace", why_not is None,
                         f"one per program ({how}), loopback only" if why_not is None
                         else f"unavailable ({why_not}): a candidate can open sockets to anything this machine reaches"))
+    why_not = pid_namespace_available()
+    checks.append(Check("pid namespace", why_not is None,
+                        ("one per program process: it names no process outside (no signal, renice, prlimit, "
+                         "pinning, ptrace), and all it started dies with it, drained before the judge looks"
+                         if why_not is None else f"unavailable ({why_not}): a candidate can name every process "
+                         f"of this user (renice, pin, prlimit the judge's zygote); detached processes are found "
+                         f"by walking the tree") + "; CPU pools only (CUDA IPC crosses no pid namespace)"))
+    why_not = shm_namespace_available()
+    checks.append(Check("private /dev/shm", why_not is None,
+                        (f"a {SHM_BYTES >> 20} MiB tmpfs per program (its ranks share it), gone when it ends"
+                         if why_not is None else f"unavailable ({why_not}): /dev/shm is the machine's, shared "
+                         f"between programs and kept after them") + "; CPU pools only (torch's CUDA IPC opens the "
+                        "judge's reference counts there)"))
+    why_not = privileges_available()
+    checks.append(Check("privileges", why_not is None,
+                        "no capabilities, RLIMIT_RTPRIO 0 (no SCHED_FIFO), RLIMIT_NICE 0, no new privileges"
+                        if why_not is None else f"cannot be shed ({why_not}): a root judge's candidates keep "
+                        f"every capability"))
+    checks.append(Check("output", True, "stdout and stderr of a program on /dev/null, never the judge's"))
     linux = sys.platform.startswith("linux")
     checks.append(Check("pdeathsig", linux, "program processes get SIGKILL when their parent dies" if linux
                         else "no prctl on this OS: a program process outlives a killed judge"))
