@@ -591,5 +591,128 @@ def fast_path(
     say(f"program: {written} (attempt log: {log}){hint}")
 
 
+def _problem_options(shape: str | None, dtype: str | None) -> dict[str, Any]:
+    """load_problem's options from --shape MxN and --dtype (a ValueError names a bad one)."""
+    options: dict[str, Any] = {"dtype": dtype}
+    if shape is not None:
+        parts = shape.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shape must be MxN with positive integers (e.g. 1024x1024), got {shape!r}")
+        options["base_shape"] = (int(parts[0]), int(parts[1]))
+    return options
+
+
+def _device_or_fail(device: str, gpus: int) -> None:
+    from commweave.runtime.capabilities import cuda_device_count
+
+    if device not in ("cpu", "cuda"):
+        _fail(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and cuda_device_count() < gpus:
+        _fail(f"--gpus {gpus} needs {gpus} GPUs; this machine has {cuda_device_count()} (try --device cpu)")
+
+
+@app.command()
+def judge(
+    problem: Path = typer.Argument(..., help="a problem file (docs/problems.md) or a ParallelKernelBench reference "
+                                   "inside its checkout (<pkb>/reference/<id>_<name>.py)"),
+    solution: Path = typer.Argument(..., help="a file defining the same solution(...)"),
+    gpus: int = typer.Option(2, "--gpus", min=1, help="ranks (GPUs, or CPU processes with --device cpu)"),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (gloo)"),
+    shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
+    dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
+    trials: int = typer.Option(5, "--trials", min=2, help="fresh random trials of the correctness check"),
+    iters: int = typer.Option(30, "--iters", min=1, help="timed iterations of each program"),
+    warmup: int = typer.Option(10, "--warmup", min=0),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Judge SOLUTION against PROBLEM's reference on fresh random trials per rank, then time both."""
+    import json
+
+    from commweave.contracts.verdict import EvaluationError, InfrastructureError
+    from commweave.problems.format import ProblemError, check_solution_file, load_problem
+    from commweave.problems.judge import Unsupported, judge as judge_solution
+    from commweave.runtime import PoolStartError, WorkerPool
+
+    _device_or_fail(device, gpus)
+    try:
+        spec = load_problem(problem, **_problem_options(shape, dtype))
+        text = check_solution_file(solution)
+    except (ProblemError, ValueError) as exc:
+        _fail(str(exc))
+    try:
+        with WorkerPool(gpus, device, job_timeout_s=600.0) as pool:
+            verdict = judge_solution(pool, spec, text, trials=trials, warmup=warmup, iters=iters)
+    except Unsupported as exc:
+        _fail(f"problem {spec.name} cannot be judged here: {exc}")
+    except (EvaluationError, InfrastructureError, PoolStartError) as exc:
+        _fail(f"the judge could not reach a verdict: {str(exc).splitlines()[0]}", code=1)
+    if as_json:
+        print(json.dumps(verdict.fields()))
+        return
+    if verdict.ok:
+        console.print(f"{spec.name}: correct on {trials} trials at {gpus} ranks; {verdict.speedup:.2f}x the reference "
+                      f"({verdict.solution_us:,.1f} µs vs {verdict.reference_us:,.1f} µs)", highlight=False)
+    else:
+        console.print(f"{spec.name}: wrong: {escape(verdict.failure or '')}", highlight=False)
+
+
+problems_app = typer.Typer(no_args_is_help=True, help="Problems: PyTorch + torch.distributed programs as workloads.")
+app.add_typer(problems_app, name="problems")
+
+
+@problems_app.command("run")
+def problems_run(
+    source: str = typer.Argument(..., help="a folder of problem files, a ParallelKernelBench checkout, or 'pkb' "
+                                 "(the checkout named by $COMMWEAVE_PKB)"),
+    solutions: Path = typer.Option(None, "--solutions", help="a folder of solution files named like the problems "
+                                   "(default: each reference judges itself)"),
+    gpus: int = typer.Option(2, "--gpus", min=1),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (gloo)"),
+    shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
+    dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
+    only: str = typer.Option(None, "--only", help="comma-separated problem numbers or names to run"),
+    trials: int = typer.Option(5, "--trials", min=2),
+    iters: int = typer.Option(30, "--iters", min=1),
+    warmup: int = typer.Option(10, "--warmup", min=0),
+    out: Path = typer.Option(None, "--out", help="the HTML table (default: bench/results/problems-<name>-<device>-<stamp>.html)"),
+) -> None:
+    """Every problem through the judge: one table (HTML, and JSON with provenance in bench/results)."""
+    from commweave.problems.format import ProblemError, problems_in
+    from commweave.problems.suite import rows_json, run_problems, summary
+    from commweave.report.problems import write_table
+    from commweave.report.results import write_results
+
+    _device_or_fail(device, gpus)
+    folder = os.environ.get("COMMWEAVE_PKB", "") if source == "pkb" else source
+    if not folder:
+        _fail("'pkb' names the ParallelKernelBench checkout in $COMMWEAVE_PKB, which is not set")
+    try:
+        found = problems_in(Path(folder), **_problem_options(shape, dtype))
+        if solutions is not None and not solutions.is_dir():
+            raise ValueError(f"--solutions {solutions} is not a folder")
+    except (ProblemError, ValueError) as exc:
+        _fail(str(exc))
+    if only:
+        wanted = {w.strip() for w in only.split(",") if w.strip()}
+        found = [p for p in found if p.name in wanted or p.name.split("_")[0] in wanted]
+        if not found:
+            _fail(f"--only {only} matches no problem in {folder}")
+
+    def progress(row: Any) -> None:
+        speed = f"{row.speedup:.2f}x" if row.speedup is not None else "-"
+        console.print(f"{row.problem}: {row.cause} {speed} ({row.seconds:.0f} s) {escape(row.message)}", highlight=False)
+
+    rows = run_problems(found, gpus, device, solutions, trials=trials, warmup=warmup, iters=iters, progress=progress)
+    totals = summary(rows)
+    name = f"problems-{'pkb' if source == 'pkb' or (Path(folder) / 'reference').is_dir() else Path(folder).name}-{device}"
+    results = write_results(name, {"world_size": gpus, "device": device, "source": str(Path(folder).absolute()),
+                                   "solutions": str(solutions) if solutions else None, "summary": totals,
+                                   "rows": rows_json(rows)})
+    page = write_table(rows_json(rows), totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html"))
+    console.print(f"{totals['ok']} of {totals['problems']} correct, {totals['ok_in_band']} with speedup in "
+                  f"{totals['band']}; failed by cause: {totals['failed_by_cause']}\nJSON: {results}\nHTML: {page}",
+                  highlight=False)
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()
