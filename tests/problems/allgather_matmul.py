@@ -8,8 +8,8 @@ TOLERANCE = 1e-3
 
 def make_inputs(rank, world_size, seed, device):
     gen = torch.Generator().manual_seed(seed * 131 + rank)
-    a = torch.randn(16, 24, generator=gen).to(device)
-    b = torch.randn(24, 8, generator=gen).to(device)
+    a = torch.randn(128, 512, generator=gen).to(device)
+    b = torch.randn(512, 256, generator=gen).to(device)
     return (a, b)
 
 

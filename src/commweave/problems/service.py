@@ -7,7 +7,8 @@ processes of its own, joined in a process group of their own (gloo on CPU; on GP
 on GPU r): every request goes to all W, and only the asking rank's answer comes back. Only the
 problem's code runs here (the user's trusted reference and input maker), never a solution.
 Requests: ('inputs', seed) -> this rank's arguments as `values.flatten_args` splits them and the
-groups the input maker made; ('reference', seed) -> the reference's result as one vector.
+groups the input maker made; ('reference', seed) -> the reference's result as one vector;
+('trace', seed) -> the ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from commweave.problems.format import Problem
 from commweave.problems.values import flatten_args, flatten_result
@@ -89,6 +91,23 @@ class _Recorder:
         raise ReferenceError("the input maker passes a process group it did not create with dist.new_group")
 
 
+class _Tracer(TorchDispatchMode):
+    """Records every op a reference dispatches: name, tensor argument shapes and dtypes (c10d
+    collectives are dispatched ops too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[tuple[int, ...]], list[str]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        lists = [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        dtypes = [str(t.dtype) for t in tensors + lists] + ([str(kwargs["dtype"])] if "dtype" in kwargs else [])
+        self.ops.append((str(func), [tuple(t.shape) for t in tensors + lists], dtypes))
+        return func(*args, **kwargs)
+
+
 def _maker(problem: Problem) -> Any:
     if problem.kind == "pkb":
         sys.path.insert(0, str(Path(problem.inputs).parent.parent))
@@ -137,6 +156,10 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             if op == "inputs":
                 tensors, skeleton = flatten_args(args, recorder.index)
                 value = ({k: v.cpu() for k, v in tensors.items()}, (skeleton, list(recorder.order)))
+            elif op == "trace":
+                with _Tracer() as tracer:
+                    solution(*args)
+                value = tracer.ops
             else:
                 result = solution(*args)
                 value = flatten_result(args if result is None else result).cpu()
