@@ -714,5 +714,30 @@ def problems_run(
                   highlight=False)
 
 
+@problems_app.command("bind")
+def problems_bind(
+    problem: Path = typer.Argument(..., help="a problem file or a ParallelKernelBench reference in its checkout"),
+    gpus: int = typer.Option(2, "--gpus", min=1, help="ranks the reference is traced at"),
+    device: str = typer.Option("cpu", "--device", help="where the reference is traced: cpu (gloo) or cuda"),
+    shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
+    dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
+) -> None:
+    """The offline fast path: trace the reference, recognise a known pattern, name the template
+    (and shape) `commweave evolve` searches for it; one line when no pattern is known."""
+    from commweave.agents.problem_binding import Unbound, bind_problem
+    from commweave.problems.format import ProblemError, load_problem
+    from commweave.problems.service import ReferenceError
+
+    _device_or_fail(device, gpus)
+    try:
+        spec = load_problem(problem, **_problem_options(shape, dtype))
+        binding = bind_problem(spec, gpus, device)
+    except (ProblemError, ValueError, ReferenceError) as exc:
+        _fail(f"{problem}: {exc}" if isinstance(exc, (Unbound, ReferenceError)) else str(exc))
+    at = f" --shape {binding.shape}" if binding.shape else ""
+    console.print(f"{spec.name}: {binding.pattern} -> template {binding.workload}{at}; search it: commweave evolve "
+                  f"{binding.workload}{at} --gpus {gpus}", highlight=False)
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -70,7 +70,7 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int]:
 
 
 def _cause(message: str, device: str) -> str:
-    if device == "cpu" and re.search(r"cuda|nccl|triton|gpu", message, re.IGNORECASE):
+    if device == "cpu" and re.search(r"cuda|nccl|triton|gpu|active drivers", message, re.IGNORECASE):
         return "needs CUDA"
     if re.search(r"world.?size|divisible|ranks", message, re.IGNORECASE):
         return "needs other ranks"
