@@ -81,8 +81,9 @@ def bind_trace(ops: list[Op], world_size: int) -> Binding:
 
 def bind_problem(problem: Problem, world_size: int, device: str) -> Binding:
     """Trace the problem's reference at `world_size` on `device` and bind it (Unbound if not)."""
-    workers = ReferenceWorkers(problem, world_size, device)
+    workers = ReferenceWorkers(world_size, device)
     try:
+        workers.load(problem)
         ops = workers.request("trace", secrets.randbelow(1 << 30), 0)
     finally:
         workers.close()

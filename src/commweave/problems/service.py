@@ -6,7 +6,8 @@ reference whenever its own checks ask, not in step with its peers), so each judg
 processes of its own, joined in a process group of their own (gloo on CPU; on GPUs NCCL, worker r
 on GPU r): every request goes to all W, and only the asking rank's answer comes back. Only the
 problem's code runs here (the user's trusted reference and input maker), never a solution.
-Requests: ('inputs', seed) -> this rank's arguments as `values.flatten_args` splits them and the
+Requests: ('load', problem) makes it the one they run (workers outlive a problem, so a suite
+starts them once per judge); ('inputs', seed) -> this rank's arguments as `values.flatten_args` splits them and the
 groups the input maker made; ('reference', seed) -> the reference's result as one vector;
 ('trace', seed) -> the ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
 """
@@ -36,6 +37,7 @@ from commweave.runtime.candidate import own_child
 
 START_S = 180.0  # W interpreters importing torch and joining a group, on a loaded machine
 REQUEST_S = 300.0  # one input draw or reference run
+ERROR_GRACE_S = 10.0  # after one worker's error, how long its peers get to answer
 
 
 class ReferenceError(RuntimeError):
@@ -119,7 +121,7 @@ def _maker(problem: Problem) -> Any:
     return lambda rank, w, seed, dev: module.make_inputs(rank, w, seed, dev)
 
 
-def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: str, problem_json: str, parent: int) -> None:
+def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: str, parent: int) -> None:
     """One reference worker: join the group, then answer requests until told to exit."""
     from commweave.runtime.confine import die_with_parent
 
@@ -128,7 +130,6 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
     try:
         import torch.distributed as dist
 
-        problem = Problem.from_json(problem_json)
         torch.set_num_threads(1)
         if device_kind == "cuda":
             torch.cuda.set_device(rank)
@@ -139,18 +140,25 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             device = torch.device("cpu")
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         recorder = _Recorder()
-        make = _maker(problem)
-        solution = load_module(problem.reference, "commweave_problem_reference").solution
     except BaseException as exc:  # noqa: BLE001 - reported, then this worker ends
         conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())))
         os._exit(2)
     conn.send_bytes(_dumps(("ready", None, "")))
+    make = solution = None
     while True:
-        op, seed, send = _loads(conn.recv_bytes())
+        op, arg, send = _loads(conn.recv_bytes())
         if op == "exit":
             break
         try:
-            args = make(rank, world_size, seed, device)
+            if op == "load":
+                problem = Problem.from_json(arg)
+                make = _maker(problem)
+                solution = load_module(problem.reference, "commweave_problem_reference").solution
+                conn.send_bytes(_dumps(("ok", None, "")))
+                continue
+            if make is None:
+                raise RuntimeError(f"{op!r} before any problem was loaded")
+            args = make(rank, world_size, arg, device)
             if not isinstance(args, tuple):
                 raise TypeError(f"the input maker returned a {type(args).__name__}, not a tuple of arguments")
             if op == "inputs":
@@ -172,20 +180,21 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
 
 # -- the judge side -------------------------------------------------------------------------------
 class ReferenceWorkers:
-    """W reference workers for one problem on this machine's `device` ('cpu' or 'cuda')."""
+    """W reference workers on this machine's `device` ('cpu' or 'cuda'), one problem loaded at a time."""
 
-    def __init__(self, problem: Problem, world_size: int, device: str):
-        self.problem, self.world_size, self.device = problem, world_size, device
+    def __init__(self, world_size: int, device: str):
+        self.world_size, self.device = world_size, device
+        self.problem: Problem | None = None
         self._dir = tempfile.mkdtemp(prefix="cw_problem_")
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         code = ("import sys; from commweave.problems.service import worker_main; a = sys.argv; "
-                "worker_main(int(a[1]), int(a[2]), int(a[3]), a[4], a[5], a[6], int(a[7]))")
+                "worker_main(int(a[1]), int(a[2]), int(a[3]), a[4], a[5], int(a[6]))")
         try:
             for rank in range(world_size):
                 ours, theirs = socket.socketpair()
                 argv = [str(theirs.fileno()), str(rank), str(world_size), device, str(Path(self._dir) / "store"),
-                        problem.to_json(), str(os.getpid())]
+                        str(os.getpid())]
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-c", code, *argv],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -199,32 +208,46 @@ class ReferenceWorkers:
             raise
 
     def _replies(self, timeout_s: float, what: str) -> list[Any]:
+        """Every worker's answer; the first error raised once all answered. After an error the
+        others get ERROR_GRACE_S (a peer may wait in a collective the failed rank never joins):
+        then the workers are closed (the next use starts fresh ones)."""
         deadline = time.monotonic() + timeout_s
-        values = []
+        values: list[Any] = []
+        error: ReferenceError | None = None
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
+            limit = deadline if error is None else min(deadline, time.monotonic() + ERROR_GRACE_S)
+            if not conn.poll(max(0.0, limit - time.monotonic())):
                 self.close()
-                raise ReferenceError(f"the problem's reference workers gave no answer {what} within {timeout_s:.0f} s "
-                                     "(a deadlock in the reference or its input maker?)")
+                raise error or ReferenceError(f"the problem's reference workers gave no answer {what} within "
+                                              f"{timeout_s:.0f} s (a deadlock in the reference or its input maker?)")
             try:
-                status, value, detail = _loads(conn.recv_bytes())
+                status, value, _ = _loads(conn.recv_bytes())
             except (EOFError, OSError):
                 self.close()
-                raise ReferenceError(f"reference worker {rank} died {what}") from None
-            if status == "error":
-                failure = f"rank {rank}: {value}"
-                if what == "starting":
-                    self.close()
-                values.append(ReferenceError(failure))
-            else:
-                values.append(value)
-        errors = [v for v in values if isinstance(v, ReferenceError)]
-        if errors:
-            raise errors[0]
+                raise error or ReferenceError(f"reference worker {rank} died {what}") from None
+            if status == "error" and error is None:
+                error = ReferenceError(f"rank {rank}: {value}")
+            values.append(value)
+        if error is not None:
+            if what == "starting":
+                self.close()
+            raise error
         return values
 
-    def request(self, op: str, seed: int, rank: int | None) -> Any:
-        """Every worker runs `op` on `seed`; rank `rank`'s answer (every rank's, for None)."""
+    @property
+    def alive(self) -> bool:
+        return bool(self._conns)
+
+    def load(self, problem: Problem) -> None:
+        """Make `problem` the one the workers run (its files read and executed there)."""
+        if problem != self.problem:
+            self.problem = None
+            self.request("load", problem.to_json(), None)
+            self.problem = problem
+
+    def request(self, op: str, seed: Any, rank: int | None) -> Any:
+        """Every worker runs `op` on `seed` (for 'load': the problem); rank `rank`'s answer (every
+        rank's, for None)."""
         if not self._conns:
             raise ReferenceError("the problem's reference workers were closed")
         for r, conn in enumerate(self._conns):

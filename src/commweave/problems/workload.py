@@ -42,18 +42,17 @@ class Layout:
     fixed: bool
 
 
-_WORKERS: dict[str, Any] = {}  # this process's reference workers (one problem at a time)
+_WORKERS: dict[tuple[int, str], ReferenceWorkers] = {}  # this process's reference workers
 
 
 def reference_workers(problem: Problem, world_size: int, device: str) -> ReferenceWorkers:
-    """This process's workers for `problem` (those of a previous problem are closed first)."""
-    key = json.dumps([problem.to_json(), world_size, device])
-    if _WORKERS.get("key") != key:
-        if "workers" in _WORKERS:
-            _WORKERS.pop("workers").close()
-        _WORKERS["workers"] = ReferenceWorkers(problem, world_size, device)
-        _WORKERS["key"] = key
-    return _WORKERS["workers"]
+    """This process's workers at (`world_size`, `device`) with `problem` loaded (started at first
+    use, again after they failed)."""
+    key = (world_size, device)
+    if key not in _WORKERS or not _WORKERS[key].alive:
+        _WORKERS[key] = ReferenceWorkers(world_size, device)
+    _WORKERS[key].load(problem)
+    return _WORKERS[key]
 
 
 class ProblemWorkload(Workload):
