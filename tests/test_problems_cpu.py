@@ -105,3 +105,16 @@ def test_pkb_layout_with_a_group_and_a_scalar_through_the_cli() -> None:
     assert fields["ok"] and fields["world_size"] == 2 and fields["trials"] == 2
     missing = runner.invoke(app, ["judge", str(ref), str(HERE / "nope.py"), "--device", "cpu"])
     assert missing.exit_code == 2 and "nope.py: no such file" in missing.output
+
+
+def test_problems_bind_names_the_template_or_says_why_not() -> None:
+    """Traced on 2 CPU ranks: all-gather -> matmul binds gemm-allgather at the traced size; an
+    all-reduce alone binds nothing (one line, exit 2)."""
+    runner = CliRunner()
+    bound = runner.invoke(app, ["problems", "bind", str(OWN), "--gpus", "2", "--device", "cpu"])
+    assert bound.exit_code == 0, bound.output
+    assert "template gemm-allgather" in bound.output and "256x256x512" in bound.output.replace("\n", "")
+    ref = HERE / "pkb" / "reference" / "3_scaled_allreduce.py"
+    unbound = runner.invoke(app, ["problems", "bind", str(ref), "--gpus", "2", "--device", "cpu", "--shape", "8x4",
+                                  "--dtype", "float32"])
+    assert unbound.exit_code == 2 and "no known pattern" in unbound.output

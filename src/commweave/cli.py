@@ -312,7 +312,7 @@ def bench(
 # -- the slow path: evolve, report, export -------------------------------------------------------
 @app.command()
 def evolve(
-    workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
+    workload: str = typer.Argument(None, help="workload name (see `commweave list`), or give --problem"),
     gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs (one worker each; default: the most this machine and the workload allow)"),
     budget: str = typer.Option("200", "--budget", help="evaluations (200) or wall time (20m, 90s, 1h)"),
     shape: str = typer.Option(None, "--shape", help="the shape to optimise (default: the template's, 8192^3 for gemm-allgather)"),
@@ -340,6 +340,8 @@ def evolve(
                                      "islands stop proposing (on --resume: a new cap for the whole run)"),
     llm_islands: int = typer.Option(None, "--llm-islands", min=0, help="islands that propose with the LLM (default "
                                     "with --llm: half of --islands, at least 1)"),
+    problem: Path = typer.Option(None, "--problem", help="a problem file or ParallelKernelBench reference: its "
+                                 "reference is traced and bound to the template of a known pattern (replaces WORKLOAD)"),
 ) -> None:
     """Search the workload's directive space and template knobs on this machine's GPUs.
 
@@ -354,6 +356,10 @@ def evolve(
     from commweave.search.driver import plan_run, run_meta, run_on_cluster, run_on_pools
     from commweave.search.pools import split_gpus
 
+    if (workload is None) == (problem is None):
+        _fail("give a workload (see `commweave list`) or --problem PROBLEM, one of them")
+    if problem is not None:
+        workload, shape = _bound_workload(problem, shape, pool_gpus or gpus or 2)
     if pool_gpus is not None and cluster is not None:
         _fail("--pool-gpus splits this node's GPUs and --cluster uses a Ray cluster's: give one of them")
     if cluster is not None:
@@ -654,6 +660,22 @@ def judge(
                       f"({verdict.solution_us:,.1f} µs vs {verdict.reference_us:,.1f} µs)", highlight=False)
     else:
         console.print(f"{spec.name}: wrong: {escape(verdict.failure or '')}", highlight=False)
+
+
+def _bound_workload(problem: Path, shape: str | None, world_size: int) -> tuple[str, str | None]:
+    """(workload, shape) `evolve --problem` searches: the problem's reference traced on CPU ranks
+    and bound to a template (agents.problem_binding); one line and exit 2 when it cannot be."""
+    from commweave.agents.problem_binding import Unbound, bind_problem
+    from commweave.problems.format import ProblemError, load_problem
+    from commweave.problems.service import ReferenceError
+
+    try:
+        binding = bind_problem(load_problem(problem), world_size, "cpu")
+    except (ProblemError, Unbound, ReferenceError) as exc:
+        _fail(f"{problem}: cannot be searched: {exc}")
+    console.print(f"{problem.name}: {binding.pattern} -> template {binding.workload}"
+                  f"{' at ' + binding.shape if binding.shape else ''}", highlight=False)
+    return binding.workload, shape or binding.shape or None
 
 
 problems_app = typer.Typer(no_args_is_help=True, help="Problems: PyTorch + torch.distributed programs as workloads.")
