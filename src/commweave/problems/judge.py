@@ -70,7 +70,9 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int]:
 
 
 def _cause(message: str, device: str) -> str:
-    if device == "cpu" and re.search(r"cuda|nccl|triton|gpu|active drivers", message, re.IGNORECASE):
+    # CUDA calls, Triton (no driver), and collectives gloo does not take as NCCL does (a stacked
+    # all_gather_into_tensor output) all say the reference needs GPUs
+    if device == "cpu" and re.search(r"cuda|nccl|triton|gpu|active drivers|gloo", message, re.IGNORECASE):
         return "needs CUDA"
     if re.search(r"world.?size|divisible|ranks", message, re.IGNORECASE):
         return "needs other ranks"
