@@ -738,7 +738,8 @@ def problems_run(
 
 @problems_app.command("bind")
 def problems_bind(
-    problem: Path = typer.Argument(..., help="a problem file or a ParallelKernelBench reference in its checkout"),
+    problem: Path = typer.Argument(..., help="a problem file, a ParallelKernelBench reference in its checkout, or a "
+                                   "folder of either (one line each)"),
     gpus: int = typer.Option(2, "--gpus", min=1, help="ranks the reference is traced at"),
     device: str = typer.Option("cpu", "--device", help="where the reference is traced: cpu (gloo) or cuda"),
     shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
@@ -746,20 +747,26 @@ def problems_bind(
 ) -> None:
     """The offline fast path: trace the reference, recognise a known pattern, name the template
     (and shape) `commweave evolve` searches for it; one line when no pattern is known."""
-    from commweave.agents.problem_binding import Unbound, bind_problem
-    from commweave.problems.format import ProblemError, load_problem
+    from commweave.agents.problem_binding import Binding, Unbound, bind_problem, bind_problems
+    from commweave.problems.format import ProblemError, load_problem, problems_in
     from commweave.problems.service import ReferenceError
 
     _device_or_fail(device, gpus)
     try:
+        if problem.is_dir():
+            found = problems_in(problem, **_problem_options(shape, dtype))
+            for name, outcome in bind_problems(found, gpus, device).items():
+                what = (f"{outcome.pattern} -> template {outcome.workload} {outcome.shape}".rstrip()
+                        if isinstance(outcome, Binding) else f"not bound: {outcome}")
+                console.print(f"{name}: {escape(what)}", highlight=False)
+            return
         spec = load_problem(problem, **_problem_options(shape, dtype))
         binding = bind_problem(spec, gpus, device)
     except (ProblemError, ValueError, ReferenceError) as exc:
         _fail(f"{problem}: {exc}" if isinstance(exc, (Unbound, ReferenceError)) else str(exc))
     at = f" --shape {binding.shape}" if binding.shape else ""
     console.print(f"{spec.name}: {binding.pattern} -> template {binding.workload}{at}; search it: commweave evolve "
-                  f"{binding.workload}{at} --gpus {gpus}", highlight=False)
-
+                  f"--problem {problem} --gpus {gpus}", highlight=False)
 
 if __name__ == "__main__":  # pragma: no cover
     app()

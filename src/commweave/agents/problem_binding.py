@@ -79,6 +79,28 @@ def bind_trace(ops: list[Op], world_size: int) -> Binding:
                   f"{' and a matmul' if mm is not None else ', no matmul'}")
 
 
+def bind_problems(problems: list[Problem], world_size: int, device: str) -> dict[str, Binding | str]:
+    """Each problem's binding, or the one line why it has none (traced at `world_size` on `device`,
+    in one set of reference workers)."""
+    from commweave.problems.service import ReferenceError
+
+    bound: dict[str, Binding | str] = {}
+    workers: ReferenceWorkers | None = None
+    try:
+        for problem in problems:
+            if workers is None or not workers.alive:
+                workers = ReferenceWorkers(world_size, device)
+            try:
+                workers.load(problem)
+                bound[problem.name] = bind_trace(workers.request("trace", secrets.randbelow(1 << 30), 0), world_size)
+            except (Unbound, ReferenceError) as exc:
+                bound[problem.name] = str(exc)
+    finally:
+        if workers is not None:
+            workers.close()
+    return bound
+
+
 def bind_problem(problem: Problem, world_size: int, device: str) -> Binding:
     """Trace the problem's reference at `world_size` on `device` and bind it (Unbound if not)."""
     workers = ReferenceWorkers(world_size, device)
