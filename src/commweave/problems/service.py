@@ -111,13 +111,13 @@ class _Tracer(TorchDispatchMode):
 
 
 def _maker(problem: Problem) -> Any:
+    """(rank, world_size, seed, device) -> the arguments: PKB's create_input_tensor with the seed as
+    its trial, or our format's make_inputs."""
+    module = load_module(problem.inputs, "commweave_problem_inputs")
     if problem.kind == "pkb":
-        sys.path.insert(0, str(Path(problem.inputs).parent.parent))
-        module = load_module(problem.inputs, "commweave_problem_inputs")
         dtype = problem.torch_dtype()
         return lambda rank, w, seed, dev: module.create_input_tensor(rank, w, problem.problem_id, problem.base_shape,
                                                                       dtype, trial=seed, device=dev)
-    module = load_module(problem.inputs, "commweave_problem_inputs")
     return lambda rank, w, seed, dev: module.make_inputs(rank, w, seed, dev)
 
 
