@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from commweave.agents.problem_binding import Unbound, bind_trace
+from commweave.agents.problem_binding import Binding, Unbound, bind_trace
 from commweave.cli import app
 from commweave.problems.format import ProblemError, load_problem, problems_in
 from commweave.problems.judge import judge, probe
@@ -57,16 +57,28 @@ def test_arguments_travel_as_tensors_and_a_skeleton() -> None:
 
 
 def test_binding_recognises_known_patterns_and_says_why_not() -> None:
-    f32 = ["torch.float32"]
-    gather = ("c10d.allgather_.default", [(4, 2)], f32)
+    """Ops as the tracer records them (name, tensor shapes, dtypes), at 2 ranks: a matmul binds
+    only where shapes join it to the collective."""
+    f32, fp8 = ["torch.float32"] * 3, ["torch.float8_e4m3fn"] * 3
+    gather_a = ("c10d.allgather_.default", [(2, 6)] * 3, f32)  # two (2, 6) outputs, one input
+    cat = ("aten.cat.default", [(2, 6), (2, 6)], f32)
     mm = ("aten.mm.default", [(4, 6), (6, 5)], f32)
+    gather_c = ("c10d.allgather_.default", [(4, 5)] * 3, f32)
     rs = ("c10d._reduce_scatter_base_.default", [(2, 5), (4, 5)], f32)
-    assert bind_trace([gather, ("aten.cat.default", [], f32), mm], 2).workload == "gemm-allgather"
-    assert bind_trace([gather, ("aten.cat.default", [], f32), mm], 2).shape == "4x5x6"
+    assert bind_trace([gather_a, cat, mm], 2) == Binding("gemm-allgather", "4x5x6", "all-gather -> matmul")
+    assert bind_trace([mm, gather_c], 2) == Binding("gemm-allgather", "4x10x6", "matmul -> all-gather")
     assert bind_trace([mm, rs], 2).shape == "4x5x12"  # K is the matmul's local K times the ranks
-    assert bind_trace([mm, gather], 2).pattern == "matmul -> all-gather"
-    cast = ("aten._to_copy.default", [(4, 2)], ["torch.float32", "torch.float8_e4m3fn"])
-    assert bind_trace([cast, gather, mm], 2).workload == "gemm-allgather-lossy"
+    assert bind_trace([(gather_a[0], gather_a[1], fp8), mm], 2).workload == "gemm-allgather-lossy"
+    a2a = ("c10d.alltoall_base_.default", [(8, 4), (8, 4)], f32)
+    bmm = ("aten.bmm.default", [(2, 4, 4), (2, 4, 3)], f32)
+    assert bind_trace([a2a, bmm, a2a], 2).workload == "moe"
+    softmax = ("aten._softmax.default", [(2, 4, 4)], f32)
+    send, recv = ("c10d.send.default", [(4, 4)], f32), ("c10d.recv_.default", [(4, 4)], f32)
+    assert bind_trace([send, recv, softmax, send, recv], 2).workload == "attention-cp"
+    with pytest.raises(Unbound, match="it runs allgather_ and matmuls not joined to them"):
+        bind_trace([("c10d.allgather_.default", [(3, 3)] * 3, f32), mm], 2)  # gathers something else
+    with pytest.raises(Unbound, match="all-to-all around expert matmuls"):
+        bind_trace([a2a, softmax, bmm, a2a], 2)  # attention between all-to-alls (Ulysses) is no MoE
     with pytest.raises(Unbound, match="it runs allreduce_, no matmul"):
         bind_trace([("c10d.allreduce_.default", [(4,)], f32)], 2)
 

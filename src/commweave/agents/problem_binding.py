@@ -11,6 +11,7 @@ searches that template at the problem's size; a problem it cannot bind gets one 
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ GATHER = ("allgather", "_allgather_base", "allgather_into_tensor")
 SCATTER = ("reduce_scatter", "_reduce_scatter_base")
 ALL_TO_ALL = ("alltoall",)
 P2P = ("c10d.send", "c10d.recv")
-MATMUL = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.matmul.")
+MATMUL = ("aten.mm.", "aten.addmm.", "aten.matmul.")
+EXPERT_MATMUL = (*MATMUL, "aten.bmm.")
 SOFTMAX = ("softmax", "aten.exp.", "logsumexp")
 
 
@@ -41,42 +43,66 @@ class Unbound(ValueError):
 Op = tuple[str, list[tuple[int, ...]], list[str]]
 
 
-def _first(ops: list[Op], names: tuple[str, ...], start: int = 0) -> int | None:
-    return next((i for i in range(start, len(ops)) if any(n in ops[i][0] for n in names)), None)
+def _is(op: Op, names: tuple[str, ...]) -> bool:
+    return any(n in op[0] for n in names)
 
 
-def _matmul_mnk(op: Op) -> tuple[int, int, int]:
-    """(M, N, K) of a traced 2-D matmul (addmm's bias first)."""
+def _numels(op: Op) -> list[int]:
+    return [math.prod(s) for s in op[1]]
+
+
+def _matmul_mnk(op: Op) -> tuple[int, int, int] | None:
+    """(M, N, K) of a traced 2-D matmul (addmm's bias first), None for another rank."""
     shapes = [s for s in op[1] if len(s) == 2]
+    if len(shapes) < 2 or shapes[-2][1] != shapes[-1][0]:
+        return None
     a, b = shapes[-2], shapes[-1]
     return a[0], b[1], a[1]
 
 
+def _gemm_collective(ops: list[Op], world_size: int) -> Binding | None:
+    """A matmul and a collective joined by data, as far as shapes tell: the gathered tensor is a
+    matmul operand (all-gather -> matmul), the matmul's output is what is gathered (matmul ->
+    all-gather) or reduce-scattered (matmul -> reduce-scatter)."""
+    for i, op in enumerate(ops):
+        mnk = _matmul_mnk(op) if _is(op, MATMUL) else None
+        if mnk is None:
+            continue
+        m, n, k = mnk
+        operands = {math.prod(s) for s in op[1] if len(s) == 2}
+        for j in range(i - 1, -1, -1):  # the nearest all-gather before it whose gathered tensor it multiplies
+            if _is(ops[j], GATHER) and world_size * min(_numels(ops[j])) in operands:
+                lossy = any("float8" in d for d in ops[j][2])
+                return Binding("gemm-allgather-lossy" if lossy else "gemm-allgather", f"{m}x{n}x{k}",
+                               ("FP8 quantize -> " if lossy else "") + "all-gather -> matmul")
+        for later in ops[i + 1:]:
+            if _is(later, GATHER) and min(_numels(later)) == m * n:
+                return Binding("gemm-allgather", f"{m}x{n * world_size}x{k}", "matmul -> all-gather")
+            if _is(later, SCATTER) and max(_numels(later)) == m * n:
+                return Binding("gemm-reducescatter", f"{m}x{n}x{k * world_size}", "matmul -> reduce-scatter")
+    return None
+
+
+def _between(ops: list[Op], names: tuple[str, ...], inside: tuple[str, ...]) -> bool:
+    """Two or more ops of `names`, and an op of `inside` between the first and the last."""
+    at = [i for i, op in enumerate(ops) if _is(op, names)]
+    return len(at) >= 2 and any(_is(op, inside) for op in ops[at[0]:at[-1]])
+
+
 def bind_trace(ops: list[Op], world_size: int) -> Binding:
     """The binding of a traced reference, or Unbound naming what was (not) found."""
-    names = [o[0] for o in ops]
-    gather, scatter = _first(ops, GATHER), _first(ops, SCATTER)
-    a2a, p2p, soft = _first(ops, ALL_TO_ALL), _first(ops, P2P), _first(ops, SOFTMAX)
-    mm = _first(ops, MATMUL)
-    fp8 = next((i for i, o in enumerate(ops) if any("float8" in d for d in o[2])), None)
-    if a2a is not None and mm is not None:
-        return Binding("moe", "", "all-to-all dispatch / expert matmuls / combine")
-    if p2p is not None and soft is not None:
+    gemm = _gemm_collective(ops, world_size)
+    if gemm is not None:
+        return gemm
+    if _between(ops, ALL_TO_ALL, EXPERT_MATMUL) and not _between(ops, ALL_TO_ALL, SOFTMAX):
+        return Binding("moe", "", "all-to-all dispatch -> expert matmuls -> all-to-all combine")
+    if _between(ops, P2P, SOFTMAX):
         return Binding("attention-cp", "", "ring attention (point-to-point KV exchange around a softmax)")
-    if mm is not None and scatter is not None and mm < scatter:
-        m, n, k_local = _matmul_mnk(ops[mm])
-        return Binding("gemm-reducescatter", f"{m}x{n}x{k_local * world_size}", "matmul -> reduce-scatter")
-    if gather is not None and mm is not None and len([s for s in ops[mm][1] if len(s) == 2]) >= 2:
-        m, n, k = _matmul_mnk(ops[mm])
-        lossy = fp8 is not None and fp8 < gather
-        if mm > gather:  # the gathered operand is the matmul's input
-            return Binding("gemm-allgather-lossy" if lossy else "gemm-allgather", f"{m}x{n}x{k}",
-                           ("FP8 quantize -> " if lossy else "") + "all-gather -> matmul")
-        return Binding("gemm-allgather", f"{m}x{n * world_size}x{k}", "matmul -> all-gather")
-    seen = sorted({n.split(".")[1] for n in names if n.startswith("c10d.")}) or ["no collective"]
-    raise Unbound(f"no known pattern (all-gather/matmul, matmul/reduce-scatter, all-to-all, ring attention, FP8 "
-                  f"all-gather) in its reference: it runs {', '.join(seen)}"
-                  f"{' and a matmul' if mm is not None else ', no matmul'}")
+    seen = sorted({op[0].split(".")[1] for op in ops if op[0].startswith("c10d.")}) or ["no collective"]
+    matmul = any(_is(op, EXPERT_MATMUL) for op in ops)
+    raise Unbound(f"no known pattern (all-gather/matmul, matmul/reduce-scatter, all-to-all around expert matmuls, "
+                  f"ring attention, FP8 all-gather) in its reference: it runs {', '.join(seen)}"
+                  f"{' and matmuls not joined to them' if matmul else ', no matmul'}")
 
 
 def bind_problems(problems: list[Problem], world_size: int, device: str) -> dict[str, Binding | str]:

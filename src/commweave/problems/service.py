@@ -103,10 +103,18 @@ class _Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        lists = [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-        dtypes = [str(t.dtype) for t in tensors + lists] + ([str(kwargs["dtype"])] if "dtype" in kwargs else [])
-        self.ops.append((str(func), [tuple(t.shape) for t in tensors + lists], dtypes))
+        tensors: list[torch.Tensor] = []
+
+        def collect(value: Any) -> None:  # tensors, also inside the lists of lists collectives take
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    collect(v)
+
+        collect((*args, *kwargs.values()))
+        dtypes = [str(t.dtype) for t in tensors] + ([str(kwargs["dtype"])] if "dtype" in kwargs else [])
+        self.ops.append((str(func), [tuple(t.shape) for t in tensors], dtypes))
         return func(*args, **kwargs)
 
 
