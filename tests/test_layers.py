@@ -8,7 +8,7 @@ from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src"
 #: lowest first; a module may import its own layer and those before it
-LAYERS = ["contracts", "runtime", "space", "llm", "taco", "workloads", "evaluate", "search", "agents",
+LAYERS = ["contracts", "runtime", "space", "llm", "taco", "workloads", "evaluate", "problems", "search", "agents",
           "ops", "nn", "report", "cli", "__main__"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 RANK["nn"] = RANK["ops"]  # ops and nn are one layer: nn's layers call the ops, the ops' backward nothing of nn

@@ -338,7 +338,7 @@ def _train_steps(pool: Any, workload: str, shapes: list, iters: int, warmup: int
 # -- the slow path: evolve, report, export -------------------------------------------------------
 @app.command()
 def evolve(
-    workload: str = typer.Argument(..., help="workload name (see `commweave list`)"),
+    workload: str = typer.Argument(None, help="workload name (see `commweave list`), or give --problem"),
     gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs (one worker each; default: the most this machine and the workload allow)"),
     budget: str = typer.Option("200", "--budget", help="evaluations (200) or wall time (20m, 90s, 1h)"),
     shape: str = typer.Option(None, "--shape", help="the shape to optimise (default: the template's, 8192^3 for gemm-allgather)"),
@@ -366,6 +366,8 @@ def evolve(
                                      "islands stop proposing (on --resume: a new cap for the whole run)"),
     llm_islands: int = typer.Option(None, "--llm-islands", min=0, help="islands that propose with the LLM (default "
                                     "with --llm: half of --islands, at least 1)"),
+    problem: Path = typer.Option(None, "--problem", help="a problem file or ParallelKernelBench reference: its "
+                                 "reference is traced and bound to the template of a known pattern (replaces WORKLOAD)"),
 ) -> None:
     """Search the workload's directive space and template knobs on this machine's GPUs.
 
@@ -380,6 +382,10 @@ def evolve(
     from commweave.search.driver import plan_run, run_meta, run_on_cluster, run_on_pools
     from commweave.search.pools import split_gpus
 
+    if (workload is None) == (problem is None):
+        _fail("give a workload (see `commweave list`) or --problem PROBLEM, one of them")
+    if problem is not None:
+        workload, shape = _bound_workload(problem, shape, pool_gpus or gpus or 2)
     if pool_gpus is not None and cluster is not None:
         _fail("--pool-gpus splits this node's GPUs and --cluster uses a Ray cluster's: give one of them")
     if cluster is not None:
@@ -616,6 +622,177 @@ def fast_path(
     hint = f". Time it: commweave bench {wl.name} --gpus {gpus} --candidate {written}" if ":" not in workload else ""
     say(f"program: {written} (attempt log: {log}){hint}")
 
+
+def _problem_options(shape: str | None, dtype: str | None) -> dict[str, Any]:
+    """load_problem's options from --shape MxN and --dtype (a ValueError names a bad one)."""
+    options: dict[str, Any] = {"dtype": dtype}
+    if shape is not None:
+        parts = shape.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shape must be MxN with positive integers (e.g. 1024x1024), got {shape!r}")
+        options["base_shape"] = (int(parts[0]), int(parts[1]))
+    return options
+
+
+def _device_or_fail(device: str, gpus: int) -> None:
+    from commweave.runtime.capabilities import cuda_device_count
+
+    if device not in ("cpu", "cuda"):
+        _fail(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and cuda_device_count() < gpus:
+        _fail(f"--gpus {gpus} needs {gpus} GPUs; this machine has {cuda_device_count()} (try --device cpu)")
+
+
+@app.command()
+def judge(
+    problem: Path = typer.Argument(..., help="a problem file (docs/problems.md) or a ParallelKernelBench reference "
+                                   "inside its checkout (<pkb>/reference/<id>_<name>.py)"),
+    solution: Path = typer.Argument(..., help="a file defining the same solution(...)"),
+    gpus: int = typer.Option(2, "--gpus", min=1, help="ranks (GPUs, or CPU processes with --device cpu)"),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (gloo)"),
+    shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
+    dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
+    trials: int = typer.Option(5, "--trials", min=2, help="fresh random trials of the correctness check"),
+    iters: int = typer.Option(30, "--iters", min=1, help="timed iterations of each program"),
+    warmup: int = typer.Option(10, "--warmup", min=0),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Judge SOLUTION against PROBLEM's reference on fresh random trials per rank, then time both."""
+    import json
+
+    from commweave.contracts.verdict import EvaluationError, InfrastructureError
+    from commweave.problems.format import ProblemError, check_solution_file, load_problem
+    from commweave.problems.judge import Unsupported, judge as judge_solution
+    from commweave.runtime import PoolStartError, WorkerPool
+
+    _device_or_fail(device, gpus)
+    try:
+        spec = load_problem(problem, **_problem_options(shape, dtype))
+        text = check_solution_file(solution)
+    except (ProblemError, ValueError) as exc:
+        _fail(str(exc))
+    try:
+        with WorkerPool(gpus, device, job_timeout_s=600.0) as pool:
+            verdict = judge_solution(pool, spec, text, trials=trials, warmup=warmup, iters=iters)
+    except Unsupported as exc:
+        _fail(f"problem {spec.name} cannot be judged here: {exc}")
+    except (EvaluationError, InfrastructureError, PoolStartError) as exc:
+        _fail(f"the judge could not reach a verdict: {str(exc).splitlines()[0]}", code=1)
+    if as_json:
+        print(json.dumps(verdict.fields()))
+        return
+    if verdict.ok:
+        console.print(f"{spec.name}: correct on {trials} trials at {gpus} ranks; {verdict.speedup:.2f}x the reference "
+                      f"({verdict.solution_us:,.1f} µs vs {verdict.reference_us:,.1f} µs)", highlight=False)
+    else:
+        console.print(f"{spec.name}: wrong: {escape(verdict.failure or '')}", highlight=False)
+
+
+def _bound_workload(problem: Path, shape: str | None, world_size: int) -> tuple[str, str | None]:
+    """(workload, shape) `evolve --problem` searches: the problem's reference traced on CPU ranks
+    and bound to a template (agents.problem_binding); one line and exit 2 when it cannot be."""
+    from commweave.agents.problem_binding import Unbound, bind_problem
+    from commweave.problems.format import ProblemError, load_problem
+    from commweave.problems.service import ReferenceError
+
+    try:
+        binding = bind_problem(load_problem(problem), world_size, "cpu")
+    except (ProblemError, Unbound, ReferenceError) as exc:
+        _fail(f"{problem}: cannot be searched: {exc}")
+    console.print(f"{problem.name}: {binding.pattern} -> template {binding.workload}"
+                  f"{' at ' + binding.shape if binding.shape else ''}", highlight=False)
+    return binding.workload, shape or binding.shape or None
+
+
+problems_app = typer.Typer(no_args_is_help=True, help="Problems: PyTorch + torch.distributed programs as workloads.")
+app.add_typer(problems_app, name="problems")
+
+
+@problems_app.command("run")
+def problems_run(
+    source: str = typer.Argument(..., help="a folder of problem files, a ParallelKernelBench checkout, or 'pkb' "
+                                 "(the checkout named by $COMMWEAVE_PKB)"),
+    solutions: Path = typer.Option(None, "--solutions", help="a folder of solution files named like the problems "
+                                   "(default: each reference judges itself)"),
+    gpus: int = typer.Option(2, "--gpus", min=1),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (gloo)"),
+    shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
+    dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
+    only: str = typer.Option(None, "--only", help="comma-separated problem numbers or names to run"),
+    trials: int = typer.Option(5, "--trials", min=2),
+    iters: int = typer.Option(30, "--iters", min=1),
+    warmup: int = typer.Option(10, "--warmup", min=0),
+    out: Path = typer.Option(None, "--out", help="the HTML table (default: bench/results/problems-<name>-<device>-<stamp>.html)"),
+) -> None:
+    """Every problem through the judge: one table (HTML, and JSON with provenance in bench/results)."""
+    from commweave.problems.format import ProblemError, problems_in
+    from commweave.problems.suite import rows_json, run_problems, summary
+    from commweave.report.problems import write_table
+    from commweave.report.results import write_results
+
+    _device_or_fail(device, gpus)
+    folder = os.environ.get("COMMWEAVE_PKB", "") if source == "pkb" else source
+    if not folder:
+        _fail("'pkb' names the ParallelKernelBench checkout in $COMMWEAVE_PKB, which is not set")
+    try:
+        found = problems_in(Path(folder), **_problem_options(shape, dtype))
+        if solutions is not None and not solutions.is_dir():
+            raise ValueError(f"--solutions {solutions} is not a folder")
+    except (ProblemError, ValueError) as exc:
+        _fail(str(exc))
+    if only:
+        wanted = {w.strip() for w in only.split(",") if w.strip()}
+        found = [p for p in found if p.name in wanted or p.name.split("_")[0] in wanted]
+        if not found:
+            _fail(f"--only {only} matches no problem in {folder}")
+
+    def progress(row: Any) -> None:
+        speed = f"{row.speedup:.2f}x" if row.speedup is not None else "-"
+        console.print(f"{row.problem}: {row.cause} {speed} ({row.seconds:.0f} s) {escape(row.message)}", highlight=False)
+
+    rows = run_problems(found, gpus, device, solutions, trials=trials, warmup=warmup, iters=iters, progress=progress)
+    totals = summary(rows)
+    name = f"problems-{'pkb' if source == 'pkb' or (Path(folder) / 'reference').is_dir() else Path(folder).name}-{device}"
+    results = write_results(name, {"world_size": gpus, "device": device, "source": str(Path(folder).absolute()),
+                                   "solutions": str(solutions) if solutions else None, "summary": totals,
+                                   "rows": rows_json(rows)})
+    page = write_table(rows_json(rows), totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html"))
+    console.print(f"{totals['ok']} of {totals['problems']} correct, {totals['ok_in_band']} with speedup in "
+                  f"{totals['band']}; failed by cause: {totals['failed_by_cause']}\nJSON: {results}\nHTML: {page}",
+                  highlight=False)
+
+
+@problems_app.command("bind")
+def problems_bind(
+    problem: Path = typer.Argument(..., help="a problem file, a ParallelKernelBench reference in its checkout, or a "
+                                   "folder of either (one line each)"),
+    gpus: int = typer.Option(2, "--gpus", min=1, help="ranks the reference is traced at"),
+    device: str = typer.Option("cpu", "--device", help="where the reference is traced: cpu (gloo) or cuda"),
+    shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
+    dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
+) -> None:
+    """The offline fast path: trace the reference, recognise a known pattern, name the template
+    (and shape) `commweave evolve` searches for it; one line when no pattern is known."""
+    from commweave.agents.problem_binding import Binding, Unbound, bind_problem, bind_problems
+    from commweave.problems.format import ProblemError, load_problem, problems_in
+    from commweave.problems.service import ReferenceError
+
+    _device_or_fail(device, gpus)
+    try:
+        if problem.is_dir():
+            found = problems_in(problem, **_problem_options(shape, dtype))
+            for name, outcome in bind_problems(found, gpus, device).items():
+                what = (f"{outcome.pattern} -> template {outcome.workload} {outcome.shape}".rstrip()
+                        if isinstance(outcome, Binding) else f"not bound: {outcome}")
+                console.print(f"{name}: {escape(what)}", highlight=False)
+            return
+        spec = load_problem(problem, **_problem_options(shape, dtype))
+        binding = bind_problem(spec, gpus, device)
+    except (ProblemError, ValueError, ReferenceError) as exc:
+        _fail(f"{problem}: {exc}" if isinstance(exc, (Unbound, ReferenceError)) else str(exc))
+    at = f" --shape {binding.shape}" if binding.shape else ""
+    console.print(f"{spec.name}: {binding.pattern} -> template {binding.workload}{at}; search it: commweave evolve "
+                  f"--problem {problem} --gpus {gpus}", highlight=False)
 
 if __name__ == "__main__":  # pragma: no cover
     app()

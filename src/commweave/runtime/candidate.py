@@ -189,6 +189,12 @@ PRELOAD = ["torch", "torch.distributed", "commweave.runtime.pool", "commweave.ru
            "commweave.runtime.shared_buffers"]
 
 
+def own_child(pid: int) -> None:
+    """A process the judge started for itself after its zygote (a problem's reference worker):
+    never taken for one a program left behind."""
+    _OWN_CHILDREN.add(pid)
+
+
 def zygote(serve: str) -> Zygote:
     """This judge's zygote, started at first use (again if it died); the judge becomes a child
     subreaper then, so whatever a program process double-forks stays below it."""

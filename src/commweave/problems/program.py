@@ -1,0 +1,83 @@
+"""A `solution(*args)` file as a commweave program (contracts/program.py), and its program side.
+
+`solution_program` wraps a solution's source (a problem's reference, or a candidate's) in the
+program format: `setup` executes it as a module, `run` rebuilds the arguments from the judge's
+input buffers (values.py: the tensors, the skeleton, the process groups the input maker made,
+created again in this process's own group in the same order), calls `solution` on copies of the
+tensors (a reference may update its inputs in place; the judge forbids changing the buffers),
+and writes the flattened result into `out`. The copies and the skeleton read are in every
+program's time alike. `Bound` runs only in program processes, beside the solution it calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import types
+from typing import Any
+
+import torch
+
+from commweave.problems.values import ARGS, flatten_result, rebuild_args, unpack_skeleton
+
+PROGRAM = '''"""{what}, as a commweave program (commweave.problems.program)."""
+from commweave.problems.program import Bound
+
+# EVOLVE-BLOCK-START
+SOLUTION = {source!r}
+
+
+def setup(ctx, shape):
+    return Bound(SOLUTION, ctx)
+
+
+def run(ctx, state, inputs, out):
+    state.run(inputs, out)
+# EVOLVE-BLOCK-END
+'''
+
+
+def solution_program(source: str, what: str) -> str:
+    """The program that runs `source`'s solution(*args) on the judge's inputs."""
+    return PROGRAM.format(what=what.replace('"', "'"), source=source)
+
+
+class Bound:
+    """A solution loaded in a program process, and the process groups its arguments name."""
+
+    def __init__(self, source: str, ctx: Any):
+        name = f"commweave_solution_{abs(hash(source))}"
+        fd, path = tempfile.mkstemp(prefix="solution_", suffix=".py")  # TorchScript reads a function's source
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        module = types.ModuleType(name)
+        module.__file__ = path
+        sys.modules[name] = module  # dataclasses and pickling look modules up by name
+        exec(compile(source, path, "exec"), module.__dict__)
+        if not callable(getattr(module, "solution", None)):
+            raise ValueError("the solution file defines no solution()")
+        self.solution = module.solution
+        self.ctx = ctx
+        self.groups: dict[tuple[int, ...] | None, Any] = {}
+
+    def _group(self, order: list[tuple[int, ...] | None], index: int | None) -> Any:
+        """The group of the input maker's `index`: all of `order` are made (collectively, in order)
+        the first time, then kept."""
+        import torch.distributed as dist
+
+        for key in order:
+            if key not in self.groups:
+                self.groups[key] = dist.new_group(list(key) if key is not None else None)
+        return dist.group.WORLD if index is None else self.groups[order[index]]
+
+    def run(self, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        skeleton, order = unpack_skeleton(inputs[ARGS])
+        tensors = {k: v.clone() for k, v in inputs.items() if k != ARGS}
+        args = rebuild_args(skeleton, tensors, lambda index: self._group(order, index))
+        result = self.solution(*args)
+        flat = flatten_result(args if result is None else result)
+        if flat.numel() > out.numel():
+            raise ValueError(f"the result has {flat.numel() - 1} elements, more than the reference's "
+                             f"{out.numel() - 1} (flattened)")
+        out[:flat.numel()].copy_(flat)

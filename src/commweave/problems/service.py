@@ -1,0 +1,281 @@
+"""Reference workers: W trusted processes that run a problem's input maker and reference together.
+
+A problem's reference is a collective program, so one rank's expected result needs every rank's
+reference running at once. The judges cannot run it among themselves (a judge computes a
+reference whenever its own checks ask, not in step with its peers), so each judge owns W worker
+processes of its own, joined in a process group of their own (gloo on CPU; on GPUs NCCL, worker r
+on GPU r): every request goes to all W, and only the asking rank's answer comes back. Only the
+problem's code runs here (the user's trusted reference and input maker), never a solution.
+Requests: ('load', problem) makes it the one they run (workers outlive a problem, so a suite
+starts them once per judge); ('inputs', seed) -> this rank's arguments as `values.flatten_args` splits them and the
+groups the input maker made; ('reference', seed) -> the reference's result as one vector;
+('trace', seed) -> the ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from commweave.problems.format import Problem
+from commweave.problems.values import flatten_args, flatten_result
+from commweave.runtime.candidate import own_child
+
+START_S = 180.0  # W interpreters importing torch and joining a group, on a loaded machine
+REQUEST_S = 300.0  # one input draw or reference run
+ERROR_GRACE_S = 10.0  # after one worker's error, how long its peers get to answer
+
+
+class ReferenceError(RuntimeError):
+    """The problem's own code (input maker or reference) failed, or its workers did: one line why."""
+
+
+def load_module(path: str, name: str) -> types.ModuleType:
+    """Execute a trusted file as a module registered in sys.modules (dataclasses need that)."""
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    exec(compile(Path(path).read_text(), path, "exec"), module.__dict__)
+    return module
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)  # from our own workers only
+
+
+# -- the worker side ------------------------------------------------------------------------------
+class _Recorder:
+    """Wraps dist.new_group while the input maker runs: one group per rank list (made once, kept
+    across draws), and the order the lists were first asked for (what a program process repeats)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.original = dist.new_group
+        self.made: dict[tuple[int, ...] | None, Any] = {}
+        self.order: list[tuple[int, ...] | None] = []
+        dist.new_group = self.new_group
+
+    def new_group(self, ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        key = tuple(int(r) for r in ranks) if ranks is not None else None
+        if key not in self.made:
+            self.made[key] = self.original(ranks, *args, **kwargs)
+            self.order.append(key)
+        return self.made[key]
+
+    def index(self, group: Any) -> int | None:
+        if group is self.dist.group.WORLD or group is self.dist.distributed_c10d._get_default_group():
+            return None
+        for key, made in self.made.items():
+            if made is group:
+                return self.order.index(key)
+        raise ReferenceError("the input maker passes a process group it did not create with dist.new_group")
+
+
+class _Tracer(TorchDispatchMode):
+    """Records every op a reference dispatches: name, tensor argument shapes and dtypes (c10d
+    collectives are dispatched ops too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[tuple[int, ...]], list[str]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors: list[torch.Tensor] = []
+
+        def collect(value: Any) -> None:  # tensors, also inside the lists of lists collectives take
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    collect(v)
+
+        collect((*args, *kwargs.values()))
+        dtypes = [str(t.dtype) for t in tensors] + ([str(kwargs["dtype"])] if "dtype" in kwargs else [])
+        self.ops.append((str(func), [tuple(t.shape) for t in tensors], dtypes))
+        return func(*args, **kwargs)
+
+
+def _maker(problem: Problem) -> Any:
+    """(rank, world_size, seed, device) -> the arguments: PKB's create_input_tensor with the seed as
+    its trial, or our format's make_inputs."""
+    module = load_module(problem.inputs, "commweave_problem_inputs")
+    if problem.kind == "pkb":
+        dtype = problem.torch_dtype()
+        return lambda rank, w, seed, dev: module.create_input_tensor(rank, w, problem.problem_id, problem.base_shape,
+                                                                      dtype, trial=seed, device=dev)
+    return lambda rank, w, seed, dev: module.make_inputs(rank, w, seed, dev)
+
+
+def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: str, parent: int) -> None:
+    """One reference worker: join the group, then answer requests until told to exit."""
+    from commweave.runtime.confine import die_with_parent
+
+    die_with_parent(parent=parent)
+    conn = Connection(fd)
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if device_kind == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+            dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{store}", rank=rank,
+                                    world_size=world_size, device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        recorder = _Recorder()
+    except BaseException as exc:  # noqa: BLE001 - reported, then this worker ends
+        conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        os._exit(2)
+    conn.send_bytes(_dumps(("ready", None, "")))
+    make = solution = None
+    while True:
+        op, arg, send = _loads(conn.recv_bytes())
+        if op == "exit":
+            break
+        try:
+            if op == "load":
+                problem = Problem.from_json(arg)
+                make = _maker(problem)
+                solution = load_module(problem.reference, "commweave_problem_reference").solution
+                conn.send_bytes(_dumps(("ok", None, "")))
+                continue
+            if make is None:
+                raise RuntimeError(f"{op!r} before any problem was loaded")
+            args = make(rank, world_size, arg, device)
+            if not isinstance(args, tuple):
+                raise TypeError(f"the input maker returned a {type(args).__name__}, not a tuple of arguments")
+            if op == "inputs":
+                tensors, skeleton = flatten_args(args, recorder.index)
+                value = ({k: v.cpu() for k, v in tensors.items()}, (skeleton, list(recorder.order)))
+            elif op == "trace":
+                with _Tracer() as tracer:
+                    solution(*args)
+                value = tracer.ops
+            else:
+                result = solution(*args)
+                value = flatten_result(args if result is None else result).cpu()
+            conn.send_bytes(_dumps(("ok", value if send else None, "")))
+        except Exception as exc:  # noqa: BLE001 - the problem's own failure, reported to the judge
+            conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+# -- the judge side -------------------------------------------------------------------------------
+class ReferenceWorkers:
+    """W reference workers on this machine's `device` ('cpu' or 'cuda'), one problem loaded at a time."""
+
+    def __init__(self, world_size: int, device: str):
+        self.world_size, self.device = world_size, device
+        self.problem: Problem | None = None
+        self._dir = tempfile.mkdtemp(prefix="cw_problem_")
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        code = ("import sys; from commweave.problems.service import worker_main; a = sys.argv; "
+                "worker_main(int(a[1]), int(a[2]), int(a[3]), a[4], a[5], int(a[6]))")
+        try:
+            for rank in range(world_size):
+                ours, theirs = socket.socketpair()
+                argv = [str(theirs.fileno()), str(rank), str(world_size), device, str(Path(self._dir) / "store"),
+                        str(os.getpid())]
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-c", code, *argv],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, start_new_session=True))
+                own_child(self._procs[-1].pid)
+                theirs.close()
+                self._conns.append(Connection(ours.detach()))
+            self._replies(START_S, "starting")
+        except BaseException:
+            self.close()
+            raise
+
+    def _replies(self, timeout_s: float, what: str) -> list[Any]:
+        """Every worker's answer; the first error raised once all answered. After an error the
+        others get ERROR_GRACE_S (a peer may wait in a collective the failed rank never joins):
+        then the workers are closed (the next use starts fresh ones)."""
+        deadline = time.monotonic() + timeout_s
+        values: list[Any] = []
+        error: ReferenceError | None = None
+        for rank, conn in enumerate(self._conns):
+            limit = deadline if error is None else min(deadline, time.monotonic() + ERROR_GRACE_S)
+            if not conn.poll(max(0.0, limit - time.monotonic())):
+                self.close()
+                raise error or ReferenceError(f"the problem's reference workers gave no answer {what} within "
+                                              f"{timeout_s:.0f} s (a deadlock in the reference or its input maker?)")
+            try:
+                status, value, _ = _loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self.close()
+                raise error or ReferenceError(f"reference worker {rank} died {what}") from None
+            if status == "error" and error is None:
+                error = ReferenceError(f"rank {rank}: {value}")
+            values.append(value)
+        if error is not None:
+            if what == "starting":
+                self.close()
+            raise error
+        return values
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._conns)
+
+    def load(self, problem: Problem) -> None:
+        """Make `problem` the one the workers run (its files read and executed there)."""
+        if problem != self.problem:
+            self.problem = None
+            self.request("load", problem.to_json(), None)
+            self.problem = problem
+
+    def request(self, op: str, seed: Any, rank: int | None) -> Any:
+        """Every worker runs `op` on `seed` (for 'load': the problem); rank `rank`'s answer (every
+        rank's, for None)."""
+        if not self._conns:
+            raise ReferenceError("the problem's reference workers were closed")
+        for r, conn in enumerate(self._conns):
+            conn.send_bytes(_dumps((op, seed, rank is None or r == rank)))
+        answers = self._replies(REQUEST_S, f"to {op!r}")
+        return answers if rank is None else answers[rank]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(_dumps(("exit", 0, False)))
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""A problem's arguments and results as the judge moves them: flat named tensors plus a skeleton.
+
+A problem's input maker returns a tuple of anything (tensors, nested lists and dicts of tensors,
+scalars, split-size lists, process groups). The judge shares only tensors with a program process,
+so `flatten_args` splits the tuple into its tensors (named `t0`, `t1`, ... in depth-first order)
+and a *skeleton*: the structure with each tensor and process group replaced by a marker, pickled
+into a fixed-size uint8 tensor `args` that travels like any other input. `rebuild_args` puts them
+back together in the program process. A result (tensor, tuple, dict, scalars) becomes one float32
+vector (`flatten_result`), each leaf's elements in order, then a constant 1.0 that keeps the
+relative error of a near-zero result absolute instead of undefined.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ARGS = "args"  # the input holding the pickled skeleton
+HEADER = 8  # bytes of the skeleton's length before its pickle
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    """Where tensor `name` goes back into the arguments (and whether it required grad)."""
+
+    name: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class GroupLeaf:
+    """A process group argument: None for the default group, else its index among the groups the
+    input maker created (`recorded_groups`), which the program process creates again in order."""
+
+    index: int | None
+
+
+def flatten_args(args: tuple, group_index: Callable[[Any], int | None]) -> tuple[dict[str, torch.Tensor], Any]:
+    """(tensors by name, skeleton) of an input maker's tuple; `group_index` names a process group."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            name = f"t{len(tensors)}"
+            tensors[name] = value.detach().clone().contiguous()
+            return TensorLeaf(name, bool(value.requires_grad))
+        if isinstance(value, torch.distributed.ProcessGroup):
+            return GroupLeaf(group_index(value))
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(walk(v) for v in value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return tensors, walk(tuple(args))
+
+
+def pack_skeleton(skeleton: Any, capacity: int) -> torch.Tensor:
+    """The skeleton pickled into a uint8 tensor of `capacity` bytes (length first)."""
+    data = pickle.dumps(skeleton)
+    if HEADER + len(data) > capacity:
+        raise ValueError(f"the problem's non-tensor arguments take {len(data)} bytes pickled, more than the "
+                         f"{capacity - HEADER} the first inputs left room for")
+    out = torch.zeros(capacity, dtype=torch.uint8)
+    out[:HEADER] = torch.tensor(list(len(data).to_bytes(HEADER, "little")), dtype=torch.uint8)
+    out[HEADER:HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def unpack_skeleton(packed: torch.Tensor) -> Any:
+    raw = bytes(packed.cpu().numpy().tobytes()) if packed.numel() else b""
+    size = int.from_bytes(raw[:HEADER], "little")
+    return pickle.loads(raw[HEADER:HEADER + size])
+
+
+def rebuild_args(skeleton: Any, tensors: dict[str, torch.Tensor], group: Callable[[int | None], Any]) -> tuple:
+    """The arguments again: each tensor leaf from `tensors`, each group leaf through `group`."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, TensorLeaf):
+            tensor = tensors[value.name]
+            return tensor.requires_grad_() if value.requires_grad else tensor
+        if isinstance(value, GroupLeaf):
+            return group(value.index)
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(walk(v) for v in value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return walk(skeleton)
+
+
+def flatten_result(result: Any) -> torch.Tensor:
+    """A result as one float32 vector on its tensors' device: every leaf in depth-first order
+    (dicts by sorted key), None skipped, then the constant 1.0. A ValueError names a leaf that is
+    neither a tensor nor a number."""
+    parts: list[torch.Tensor] = []
+    device = torch.device("cpu")
+
+    def walk(value: Any, where: str) -> None:
+        nonlocal device
+        if value is None:
+            return
+        if isinstance(value, torch.Tensor):
+            device = value.device
+            parts.append(value.detach().reshape(-1).to(torch.float32))
+        elif isinstance(value, (bool, int, float)):
+            parts.append(torch.tensor([float(value)], dtype=torch.float32))
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk(v, f"{where}[{i}]")
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                walk(value[k], f"{where}[{k!r}]")
+        else:
+            raise ValueError(f"result{where} is a {type(value).__name__}; a solution returns tensors, numbers, "
+                             "or tuples, lists and dicts of them")
+
+    walk(result, "")
+    parts = [p.to(device) for p in parts]
+    parts.append(torch.ones(1, dtype=torch.float32, device=device))
+    return torch.cat(parts)

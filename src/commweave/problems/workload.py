@@ -1,0 +1,164 @@
+"""A problem as a commweave `Workload`, so the existing judge (`Evaluator`) checks and times it.
+
+Inputs: this rank's tensor arguments (`t0`, `t1`, ...) plus `args`, the pickled skeleton of the
+rest (values.py), drawn by the reference workers (service.py) from the judge's own seed. Output: a
+float32 vector of the result's elements (values.flatten_result) of a capacity fixed per rank by a
+first probe; a problem whose result length varies with the seed marks the tail past each seed's
+length `untouched`. Reference: the problem's reference result of that seed from the same workers.
+Baseline: the reference wrapped as a program (program.py), named 'reference'.
+
+Judges rebuild a workload from 'module:Class' with no arguments: `workload_for` makes a subclass
+whose name encodes the problem and its layout, and this module's `__getattr__` rebuilds it there.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from commweave.contracts.workload import Cost, Shape, Workload
+from commweave.problems.format import Problem
+from commweave.problems.program import solution_program
+from commweave.problems.service import ReferenceWorkers
+from commweave.problems.values import ARGS, pack_skeleton
+
+PREFIX = "problem_"
+REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
+CACHED_SEEDS = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per rank: the output's capacity and the skeleton's bytes; `fixed`: every seed's result
+    has exactly that length (no untouched tail)."""
+
+    out: tuple[int, ...]
+    args: tuple[int, ...]
+    fixed: bool
+
+
+_WORKERS: dict[tuple[int, str], ReferenceWorkers] = {}  # this process's reference workers
+
+
+def reference_workers(problem: Problem, world_size: int, device: str) -> ReferenceWorkers:
+    """This process's workers at (`world_size`, `device`) with `problem` loaded (started at first
+    use, again after they failed)."""
+    key = (world_size, device)
+    if key not in _WORKERS or not _WORKERS[key].alive:
+        _WORKERS[key] = ReferenceWorkers(world_size, device)
+    _WORKERS[key].load(problem)
+    return _WORKERS[key]
+
+
+class ProblemWorkload(Workload):
+    """One problem at one world size (subclasses made by `workload_for` carry which)."""
+
+    problem: Problem
+    layout: Layout
+    dtype = torch.float32
+    baselines = (REFERENCE,)
+    seed = REFERENCE
+
+    def __init__(self) -> None:
+        self.name = f"problem:{self.problem.name}"
+        self.summary = f"{self.problem.kind} problem {self.problem.reference}"
+        self.world_sizes = (len(self.layout.out),)
+        self._results: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+
+    # -- programs ---------------------------------------------------------------------------------
+    def program_names(self) -> list[str]:
+        return [REFERENCE]
+
+    def program_text(self, name: str) -> str:
+        if name != REFERENCE:
+            raise KeyError(f"problem {self.problem.name!r} has one program, {REFERENCE!r}, not {name!r}")
+        with open(self.problem.reference) as f:
+            return solution_program(f.read(), self.problem.reference)
+
+    # -- shapes -----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.problem.label, {})
+
+    def bench_shapes(self, world_size: int) -> list[Shape]:
+        return [self.shape]
+
+    def check_shapes(self, world_size: int) -> list[Shape]:
+        """The problem's one size: its input maker defines it (PKB's base shape)."""
+        return [self.shape]
+
+    def parse_shape(self, text: str, world_size: int) -> Shape:
+        if text != self.shape.label:
+            raise ValueError(f"problem {self.problem.name} has one shape, {self.shape.label}, not {text!r}")
+        return self.shape
+
+    # -- values -----------------------------------------------------------------------------------
+    def _workers(self, world_size: int, device: torch.device) -> ReferenceWorkers:
+        return reference_workers(self.problem, world_size, device.type)
+
+    def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+        tensors, skeleton = self._workers(world_size, device).request("inputs", seed, rank)
+        inputs = {k: v.to(device) for k, v in tensors.items()}
+        inputs[ARGS] = pack_skeleton(skeleton, self.layout.args[rank]).to(device)
+        return inputs
+
+    def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.layout.out[rank], dtype=torch.float32, device=device)
+
+    def _result(self, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
+        key = (rank, seed)
+        if key not in self._results:
+            self._results[key] = self._workers(world_size, device).request(REFERENCE, seed, rank)
+            while len(self._results) > CACHED_SEEDS:
+                self._results.popitem(last=False)
+        return self._results[key]
+
+    def reference(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
+        result = self._result(world_size, rank, seed, device)
+        capacity = self.layout.out[rank]
+        if result.numel() > capacity:
+            raise ValueError(f"the reference's result has {result.numel()} elements on rank {rank}, more than the "
+                             f"{capacity} its first probes had (a result whose size varies this much cannot be judged)")
+        padded = torch.zeros(capacity, dtype=torch.float32)
+        padded[:result.numel()] = result
+        return padded.to(device)
+
+    def untouched(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor | None:
+        if self.layout.fixed:
+            return None
+        length = self._result(world_size, rank, seed, device).numel()
+        return (torch.arange(self.layout.out[rank]) >= length).to(device)
+
+    def cost(self, shape: Shape, world_size: int) -> Cost:
+        """Unknown for a problem: no floor (zero work never flags a time as too fast)."""
+        return Cost()
+
+    def tolerance(self) -> float:
+        return self.problem.tolerance
+
+
+@functools.lru_cache(maxsize=None)
+def _workload_class(token: str) -> type[ProblemWorkload]:
+    spec = json.loads(bytes.fromhex(token[len(PREFIX):]).decode())
+    layout = Layout(tuple(spec["layout"]["out"]), tuple(spec["layout"]["args"]), spec["layout"]["fixed"])
+    cls = type(token, (ProblemWorkload,), {"problem": Problem.from_json(spec["problem"]), "layout": layout,
+                                           "__module__": __name__, "__qualname__": token})
+    return cls
+
+
+def workload_for(problem: Problem, layout: Layout) -> ProblemWorkload:
+    """The workload of `problem` with `layout`, rebuildable by name in any judge process."""
+    spec = json.dumps({"problem": problem.to_json(), "layout": asdict(layout)}, sort_keys=True)
+    return _workload_class(PREFIX + spec.encode().hex())()
+
+
+def __getattr__(name: str) -> Any:
+    """Judges resolve 'commweave.problems.workload:problem_<hex>' to the class `workload_for` made."""
+    if name.startswith(PREFIX):
+        return _workload_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

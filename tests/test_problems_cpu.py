@@ -1,0 +1,132 @@
+"""Problems (commweave.problems): the format, values, binding, and the judge on CPU (gloo, 2 ranks).
+
+The problem files are our own, under tests/problems/: one in commweave's format, and a stand-in
+ParallelKernelBench checkout (tests/problems/pkb) in PKB's layout and calling convention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from commweave.agents.problem_binding import Binding, Unbound, bind_trace
+from commweave.cli import app
+from commweave.problems.format import ProblemError, load_problem, problems_in
+from commweave.problems.judge import judge, probe
+from commweave.problems.values import (
+    GroupLeaf, flatten_args, flatten_result, pack_skeleton, rebuild_args, unpack_skeleton,
+)
+from commweave.runtime.pool import WorkerPool
+
+HERE = Path(__file__).parent / "problems"
+OWN = HERE / "allgather_matmul.py"
+SOLUTIONS = HERE / "solutions"
+
+
+def test_own_format_and_pkb_layout_are_read_in_place(tmp_path: Path) -> None:
+    own = load_problem(OWN)
+    assert (own.kind, own.world_sizes, own.tolerance) == ("file", (1, 2, 4), 1e-3)
+    pkb = problems_in(HERE / "pkb", base_shape=(8, 4), dtype="float32")
+    assert [(p.name, p.kind, p.problem_id, p.base_shape) for p in pkb] == [("3_scaled_allreduce", "pkb", 3, (8, 4))]
+    bad = tmp_path / "bad.py"
+    bad.write_text("def make_inputs(rank, world_size, seed, device):\n    return ()\n")
+    with pytest.raises(ProblemError, match="defines no solution"):
+        load_problem(bad)
+    with pytest.raises(ProblemError, match="--shape applies to ParallelKernelBench"):
+        load_problem(OWN, base_shape=(2, 2))
+
+
+def test_arguments_travel_as_tensors_and_a_skeleton() -> None:
+    group = object()
+    args = (torch.ones(2, 3), [torch.arange(4), 5], {"eps": 1e-5}, None)
+    tensors, skeleton = flatten_args(args, lambda g: 0)
+    assert sorted(tensors) == ["t0", "t1"]
+    packed = pack_skeleton((skeleton, []), 4096)
+    back, order = unpack_skeleton(packed)
+    rebuilt = rebuild_args(back, tensors, lambda index: group)
+    assert torch.equal(rebuilt[0], args[0]) and torch.equal(rebuilt[1][0], args[1][0])
+    assert rebuilt[1][1] == 5 and rebuilt[2] == {"eps": 1e-5} and rebuilt[3] is None and order == []
+    assert rebuild_args((GroupLeaf(None),), {}, lambda index: (group, index)) == ((group, None),)
+    flat = flatten_result((torch.tensor([[1.0, 2.0]]), {"b": 3, "a": torch.tensor([4])}, None))
+    assert flat.tolist() == [1.0, 2.0, 4.0, 3.0, 1.0]  # dicts by key, then the constant 1.0
+    with pytest.raises(ValueError, match="a solution returns tensors"):
+        flatten_result(("text",))
+
+
+def test_binding_recognises_known_patterns_and_says_why_not() -> None:
+    """Ops as the tracer records them (name, tensor shapes, dtypes), at 2 ranks: a matmul binds
+    only where shapes join it to the collective."""
+    f32, fp8 = ["torch.float32"] * 3, ["torch.float8_e4m3fn"] * 3
+    gather_a = ("c10d.allgather_.default", [(2, 6)] * 3, f32)  # two (2, 6) outputs, one input
+    cat = ("aten.cat.default", [(2, 6), (2, 6)], f32)
+    mm = ("aten.mm.default", [(4, 6), (6, 5)], f32)
+    gather_c = ("c10d.allgather_.default", [(4, 5)] * 3, f32)
+    rs = ("c10d._reduce_scatter_base_.default", [(2, 5), (4, 5)], f32)
+    assert bind_trace([gather_a, cat, mm], 2) == Binding("gemm-allgather", "4x5x6", "all-gather -> matmul")
+    assert bind_trace([mm, gather_c], 2) == Binding("gemm-allgather", "4x10x6", "matmul -> all-gather")
+    assert bind_trace([mm, rs], 2).shape == "4x5x12"  # K is the matmul's local K times the ranks
+    assert bind_trace([(gather_a[0], gather_a[1], fp8), mm], 2).workload == "gemm-allgather-lossy"
+    a2a = ("c10d.alltoall_base_.default", [(8, 4), (8, 4)], f32)
+    bmm = ("aten.bmm.default", [(2, 4, 4), (2, 4, 3)], f32)
+    assert bind_trace([a2a, bmm, a2a], 2).workload == "moe"
+    softmax = ("aten._softmax.default", [(2, 4, 4)], f32)
+    send, recv = ("c10d.send.default", [(4, 4)], f32), ("c10d.recv_.default", [(4, 4)], f32)
+    assert bind_trace([send, recv, softmax, send, recv], 2).workload == "attention-cp"
+    with pytest.raises(Unbound, match="it runs allgather_ and matmuls not joined to them"):
+        bind_trace([("c10d.allgather_.default", [(3, 3)] * 3, f32), mm], 2)  # gathers something else
+    with pytest.raises(Unbound, match="all-to-all around expert matmuls"):
+        bind_trace([a2a, softmax, bmm, a2a], 2)  # attention between all-to-alls (Ulysses) is no MoE
+    with pytest.raises(Unbound, match="it runs allreduce_, no matmul"):
+        bind_trace([("c10d.allreduce_.default", [(4,)], f32)], 2)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(2, "cpu", job_timeout_s=300) as p:
+        yield p
+
+
+def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
+    """2 CPU ranks (gloo). The reference against itself is correct at about 1x; a wrong solution and
+    one returning another trial's output fail; one doing the work twice is correct and slower."""
+    problem = load_problem(OWN)
+    layout = probe(pool, problem)
+    assert layout.fixed and layout.out == (256 * 256 + 1,) * 2
+    itself = judge(pool, problem, OWN.read_text(), layout=layout)
+    assert itself.ok and 0.7 < itself.speedup < 1.4, itself
+    for name in ("wrong", "stale"):
+        verdict = judge(pool, problem, (SOLUTIONS / f"{name}.py").read_text(), layout=layout)
+        assert not verdict.ok and verdict.failure.startswith("wrong_result"), (name, verdict)
+    slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), layout=layout)
+    assert slow.ok and slow.speedup < 0.8, slow
+
+
+def test_pkb_layout_with_a_group_and_a_scalar_through_the_cli() -> None:
+    """2 CPU ranks: a PKB-style problem whose arguments hold a scalar and a process group; --json
+    prints the issue's fields and exits 0 on a verdict, 2 with one line on a bad file."""
+    ref = HERE / "pkb" / "reference" / "3_scaled_allreduce.py"
+    runner = CliRunner()
+    result = runner.invoke(app, ["judge", str(ref), str(ref), "--gpus", "2", "--device", "cpu", "--shape", "64x32",
+                                 "--dtype", "float32", "--trials", "2", "--iters", "5", "--warmup", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    fields = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(fields) == {"ok", "failure", "speedup", "reference_us", "solution_us", "trials", "world_size"}
+    assert fields["ok"] and fields["world_size"] == 2 and fields["trials"] == 2
+    missing = runner.invoke(app, ["judge", str(ref), str(HERE / "nope.py"), "--device", "cpu"])
+    assert missing.exit_code == 2 and "nope.py: no such file" in missing.output
+
+
+def test_problems_bind_names_the_template_or_says_why_not() -> None:
+    """Traced on 2 CPU ranks: all-gather -> matmul binds gemm-allgather at the traced size; an
+    all-reduce alone binds nothing (one line, exit 2)."""
+    runner = CliRunner()
+    bound = runner.invoke(app, ["problems", "bind", str(OWN), "--gpus", "2", "--device", "cpu"])
+    assert bound.exit_code == 0, bound.output
+    assert "template gemm-allgather" in bound.output and "256x256x512" in bound.output.replace("\n", "")
+    ref = HERE / "pkb" / "reference" / "3_scaled_allreduce.py"
+    unbound = runner.invoke(app, ["problems", "bind", str(ref), "--gpus", "2", "--device", "cpu", "--shape", "8x4",
+                                  "--dtype", "float32"])
+    assert unbound.exit_code == 2 and "no known pattern" in unbound.output
