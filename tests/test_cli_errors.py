@@ -118,6 +118,15 @@ OUTPUT_ERRORS = [
       "locked/x.py"], "--out", "is not writable"),
     (["demo", "--out", "notes.txt/demo"], "--out", "notes.txt is a file"),
     (["demo", "--out", "locked/demo"], "--out", "is not writable"),
+    # pseudo file systems pass os.access for root: the check makes (and removes) a file to know
+    (["demo", "--out", "/proc/demo"], "--out /proc/demo cannot be created"),
+    (["demo", "--out", "/sys/demo"], "--out /sys/demo cannot be created"),
+    (["report", "run.sqlite", "--out", "/sys/report"], "--out /sys/report cannot be created"),
+    (["export", "run.sqlite", "--out", "/proc/best.py"], "--out /proc/best.py cannot be created"),
+    (["export", "run.sqlite", "--out", "/sys/best.py"], "--out /sys/best.py cannot be created"),
+    # a file's folder is never made unasked
+    (["export", "run.sqlite", "--out", "new/dir/best.py"], "folder", "new/dir does not exist"),
+    (["agent", "fast-path", "host.py", "--workload", "gemm-allgather", "--out", "new/x.py"], "new does not exist"),
 ]
 ARGUMENT_ERRORS = [
     # --budget and --stop-after
@@ -144,6 +153,7 @@ ARGUMENT_ERRORS = [
     (["bench", "gemm-allgather", "--gpus", "0"], "--gpus", "greater than or equal to 1"),
     (["bench", "gemm-allgather", "--shapes", "12xbanana"], "12xbanana"),
     (["evolve", "gemm-allgather", "--shape", "12xbanana"], "12xbanana"),
+    (["bench", "gemm-allgather", "--shapes", "256x256"], "shape '256x256' is not", "or 'llama70b-M<M>'"),
     (["bench", "gemm-allgather", "--device", "tpu"], "--device must be cuda or cpu, not 'tpu'"),
     (["agent", "fast-path", "host.py", "--workload", "gemm-allgather", "--device", "tpu"], "--device"),
     (["bench", "gemm-allgather", "--iters", "3"], "--iters", "greater than or equal to 20"),
@@ -222,3 +232,18 @@ def test_list_reads_at_80_columns():
         assert any(f"│ {name} " in line for line in lines), name
         for program in wl.baselines:
             assert program in result.output, program
+
+
+def test_piped_output_is_not_wrapped_or_cut():
+    """With stdout no terminal and COLUMNS unset, tables come at their full width and lines whole."""
+    result = runner.invoke(app, ["list"], env={"COLUMNS": None})
+    assert result.exit_code == 0
+    assert "…" not in result.output.replace("… (", "")
+    assert max(len(line) for line in result.output.splitlines()) > 80
+    for name, wl in registry().items():
+        for shape in wl.bench_shapes(max(wl.world_sizes))[:6]:
+            assert shape.label in result.output, (name, shape.label)
+    line = "run: /" + "/".join(["a-long-folder-name"] * 8) + "/run.sqlite"
+    with cli.console.capture() as said:
+        cli.console.print(line, highlight=False)
+    assert said.get() == line + "\n"
