@@ -146,8 +146,9 @@ ARGUMENT_ERRORS = [
     (["evolve", "nope"], "unknown workload 'nope'"),
     (["agent", "fast-path", "host.py", "--workload", "nope"], "unknown workload 'nope'"),
     (["demo", "--workload", "nope"], "unknown workload 'nope'"),
-    (["bench", "gemm-allgather", "--gpus", "3"], "runs on 2, 4 GPUs, not 3"),
-    (["evolve", "gemm-allgather", "--gpus", "3"], "runs on 2, 4 GPUs, not 3"),
+    (["bench", "gemm-allgather", "--gpus", "3"], "runs on 1, 2, 4 GPUs, not 3"),
+    (["evolve", "gemm-allgather", "--gpus", "3"], "runs on 1, 2, 4 GPUs, not 3"),
+    (["bench", "kv-transfer", "--gpus", "1"], "runs on 2, 4 GPUs, not 1"),  # a transfer needs two ranks
     (["agent", "fast-path", "host.py", "--workload", "gemm-allgather", "--gpus", "3"], "not 3"),
     (["demo", "--gpus", "3"], "not 3"),
     (["bench", "gemm-allgather", "--gpus", "0"], "--gpus", "greater than or equal to 1"),
@@ -169,10 +170,11 @@ ARGUMENT_ERRORS = [
     (["report"], "Missing argument"),
     (["frobnicate"], "No such command"),
     # too few GPUs: what can run here instead
-    (["evolve", "gemm-allgather"], "needs 2 CUDA GPUs; this machine has 0", "commweave demo"),
-    (["bench", "gemm-allgather"], "needs 2 CUDA GPUs", "commweave demo", "--device cpu"),
+    (["evolve", "gemm-allgather"], "needs 1 CUDA GPU; this machine has 0", "commweave demo"),
+    (["evolve", "kv-transfer"], "needs 2 CUDA GPUs; this machine has 0", "commweave demo"),
+    (["bench", "gemm-allgather"], "needs 1 CUDA GPU;", "commweave demo", "--device cpu"),
     (["evolve", "gemm-allgather", "--resume", "run.sqlite"], "--gpus 4 needs 4 CUDA GPUs"),
-    (["agent", "fast-path", "host.py", "--workload", "gemm-allgather"], "needs 2 CUDA GPUs", "--device cpu"),
+    (["agent", "fast-path", "host.py", "--workload", "gemm-allgather"], "needs 1 CUDA GPU;", "--device cpu"),
 ]
 
 
@@ -209,17 +211,18 @@ def test_gpu_default_is_what_this_machine_has(monkeypatch):
     """--gpus defaults to the workload's largest world size that fits, else its smallest (refused)."""
     import commweave.runtime.capabilities as caps
 
-    wl, rs = get_workload("gemm-allgather"), get_workload("gemm-reducescatter")
-    for have, expect_ag, expect_rs in [(0, 2, 1), (1, 2, 1), (3, 2, 2), (8, 4, 8)]:
+    wl, rs, kv = get_workload("gemm-allgather"), get_workload("gemm-reducescatter"), get_workload("kv-transfer")
+    for have, expect_ag, expect_rs, expect_kv in [(0, 1, 1, 2), (1, 1, 1, 2), (3, 2, 2, 2), (8, 4, 8, 4)]:
         monkeypatch.setattr(caps, "cuda_device_count", lambda have=have: have)
-        assert (cli._default_gpus(wl), cli._default_gpus(rs)) == (expect_ag, expect_rs), have
-    assert cli._default_gpus(wl, "cpu") == 2
+        assert (cli._default_gpus(wl), cli._default_gpus(rs), cli._default_gpus(kv)) == (expect_ag, expect_rs, expect_kv), have
+    assert cli._default_gpus(wl, "cpu") == 1 and cli._default_gpus(kv, "cpu") == 2
     monkeypatch.setattr(caps, "cuda_device_count", lambda: 1)
-    result = runner.invoke(app, ["evolve", "gemm-allgather", "--budget", "5"])
+    result = runner.invoke(app, ["evolve", "kv-transfer", "--budget", "5"])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "this machine has 1" in result.stderr and "commweave demo" in result.stderr
     on_one = result.stderr[result.stderr.index("a workload that runs on 1 GPU ("):]
-    assert "gemm-reducescatter" in on_one and "gemm-allgather" not in on_one
+    assert all(name in on_one for name in ("gemm-allgather", "attention-cp", "moe", "gemm-reducescatter"))
+    assert "kv-transfer" not in on_one
 
 
 def test_list_reads_at_80_columns():

@@ -109,7 +109,7 @@ def _require_gpus(n: int, what: str, cpu_option: bool = False) -> None:
     fitting = sorted(name for name, wl in registry().items() if min(wl.world_sizes) <= have)
     if fitting:
         instead.append(f"a workload that runs on {have} GPU{'s' * (have != 1)} ({', '.join(fitting)})")
-    _fail(f"{what} needs {n} CUDA GPUs; this machine has {have}. Here you can run: {'; '.join(instead)}.")
+    _fail(f"{what} needs {n} CUDA GPU{'s' * (n != 1)}; this machine has {have}. Here you can run: {'; '.join(instead)}.")
 
 
 def _check_writable(path: Path, what: str, *, folder: bool = False, new_folders: bool = False) -> None:
@@ -416,6 +416,10 @@ def evolve(
             devices = split_gpus(cuda_device_count(), plan.gpus)
     path, models = plan.path, plan.models
     console.print(f"run: {path} ({plan.shape}, {plan.gpus} GPUs, budget {plan.budget.to_dict()})", highlight=False)
+    if plan.gpus == 1:
+        varied = ", ".join(d.removeprefix("knob:") for d in plan.template.one_gpu_dimensions) or "nothing (one program)"
+        console.print(f"1 GPU: nothing to communicate, so no communication is timed; the search varies what changes "
+                      f"the compute side: {varied}", highlight=False)
     if models:
         cap = f"${plan.llm_budget_usd:g}" if plan.llm_budget_usd is not None else "the run's" if plan.resumed else "no cap"
         console.print(f"LLM islands: {plan.config.llm_islands} of {plan.config.islands} "
