@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine cycle: environment the brief requires, then each step given on the command line
+# Figure: none (the harness the figures' runs go through). One GPU-machine cycle: environment the brief requires, then each step given on the command line
 # ("tests [PYTEST ARGS]", "bench WORKLOAD GPUS [ARGS]", "py SCRIPT [ARGS]", "sh SCRIPT [ARGS]",
 # "cw COMMAND [ARGS]"), each
 # logged under $OUT; the tree is pip-installed first (editable, no dependencies) for its entry points.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The open issues' "done when" tables on W GPUs, in device calls of under 10 minutes each.
+# Figure: the 4-GPU tables of docs/results.md (the open issues' "done when" tables) on W GPUs, in device calls of under 10 minutes each.
 # Usage on the device machine (repository root; $OUT is where results come back):
 #   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 comm      # TACO, MoE (~7 min)
 #   COMMWEAVE_COMMIT=<sha> bash bench/issue_tables.sh 4 compute   # attention, KV transfer, GEMM (~9 min)

@@ -1,4 +1,4 @@
-"""The judge's throughput: candidates per minute through the whole cascade, and where the time goes.
+"""Figure: the judge's throughput (docs/evaluation.md, judge-throughput-*.json): candidates per minute through the cascade, and where the time goes.
 
     PYTHONPATH=src python bench/judge_throughput.py --device cpu --world 2 --candidates 6
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\

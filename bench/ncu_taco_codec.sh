@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What bounds TACO's codec kernels: ncu of each kernel launched once (bench/taco_codec.py --once; it
+# Figure: the ncu counters of taco/NOTES.md (bench/logs/ncu-taco-codec-*): what bounds TACO's codec kernels; ncu of each kernel launched once (bench/taco_codec.py --once; it
 # prints the launch order) at one size for each tuning given, with the counters taco/NOTES.md's
 # analysis uses: instructions, issue slots, eligible warps, shared-memory wavefronts and bank
 # conflicts, global load sectors, L1 and DRAM throughput, and why warps stall between instructions.

@@ -1,4 +1,4 @@
-"""Search throughput with N evaluation pools on a Ray cluster of this machine (head + one node).
+"""Figure: search throughput with N evaluation pools (docs/search.md, search-throughput-*.json), on a Ray cluster of this machine.
 
 Each pool is a Ray actor whose judge takes a known time per evaluation (`--eval-s`, the simulated
 evaluator sleeping as a GPU would be busy), so the figure is the scheduler's: evaluations per

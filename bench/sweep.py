@@ -1,4 +1,4 @@
-"""Sweep a workload seed's CONFIG knobs on the GPU machine, side by side with its baselines.
+"""Figure: the sweep tables of docs/results.md (sweep-<workload>-*.json): a seed's CONFIG knobs timed beside its baselines.
 
     python bench/sweep.py gemm-allgather --gpus 4 --shapes 8192x8192x8192 \
         --grid comm_ctas=8,16,32 --grid order=staggered,broadcast

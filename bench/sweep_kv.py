@@ -1,4 +1,4 @@
-"""Sweep the kv-transfer seed's push kernel (CTAs x threads x unroll) on the GPU machine.
+"""Figure: kv-transfer's push-kernel sweep (kv_transfer/NOTES.md, sweep-kv-transfer-*.json): CTAs x threads x unroll.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src:tests \\
         python bench/sweep_kv.py --gpus 2

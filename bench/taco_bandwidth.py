@@ -1,4 +1,6 @@
-"""TACO's device-initiated compressed collectives against NCCL BF16, 1 MiB to 256 MiB, side by side
+"""Figure: TACO's bandwidth table (README, docs/results.md; taco-bandwidth-*.json and its plot).
+
+TACO's device-initiated compressed collectives against NCCL BF16, 1 MiB to 256 MiB, side by side
 on W GPUs (issue 5's table): algorithm bandwidth per op and size, per codec.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\

@@ -1,4 +1,6 @@
-"""TACO's CUDA codec against the HBM roofline on one GPU, in one process.
+"""Figure: TACO's codec against the HBM roofline (taco/NOTES.md; taco-codec-1gpu-*.json).
+
+TACO's CUDA codec against the HBM roofline on one GPU, in one process.
 
 For each size (MiB of BF16 handled by a call, 4-256 by default) this times, with CUDA events
 (`runtime.timers.cuda_median_us`: each call queued behind a spin kernel, so the time is the GPU's):

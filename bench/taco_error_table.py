@@ -1,4 +1,6 @@
-"""TACO error table: relative error of FP8 group quantization against the BF16 tensor, CPU only.
+"""Figure: TACO's error table (docs/results.md; bench/results/taco-error-table.md), CPU only.
+
+Relative error of FP8 group quantization against the BF16 tensor.
 
     python bench/taco_error_table.py [--steps 300] [--threads 2]
 

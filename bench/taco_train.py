@@ -1,4 +1,6 @@
-"""TACO training check (issue 5): a GPT-style decoder trained tensor parallel + sequence parallel
+"""Figure: TACO's training check (docs/results.md; taco-train-*.json and its loss-curve plot).
+
+A GPT-style decoder trained tensor parallel + sequence parallel
 over the world, once with plain collectives and once with TACO compression (QuantConfig defaults,
 forward and gradient), same seed, same data order; loss curves, step times, final-loss difference.
 

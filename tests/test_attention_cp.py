@@ -180,7 +180,7 @@ def test_chunked_attention_equals_exact() -> None:
 
 # -- shapes ---------------------------------------------------------------------------------------
 def test_workload_attributes(wl: AttentionCP) -> None:
-    assert wl.name == "attention-cp" and wl.world_sizes == (2, 4) and wl.seed == "seed"
+    assert wl.name == "attention-cp" and wl.world_sizes == (1, 2, 4) and wl.seed == "seed"
     assert wl.baselines == ("host", "allgather", "torch_cp")
     assert wl.program_names() == sorted(PROGRAMS)
     assert wl.dtype == torch.bfloat16 and wl.tolerance() == 1e-2
@@ -226,7 +226,7 @@ def test_parse_shape(wl: AttentionCP) -> None:
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message):
             wl.parse_shape(text, 4)
-    with pytest.raises(ValueError, match="runs on 2, 4 GPUs, not 8"):
+    with pytest.raises(ValueError, match="runs on 1, 2, 4 GPUs, not 8"):
         wl.parse_shape("s32768-q32kv8-d128-full", 8)
 
 

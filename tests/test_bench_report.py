@@ -187,3 +187,19 @@ def test_bench_command_prints_and_writes_the_report(tmp_path, monkeypatch):
                         (["gemm-allgather", "--shapes", "big"], "'big'")]:
         bad = CliRunner().invoke(app, ["bench", *args])
         assert bad.exit_code != 0 and words in " ".join(bad.output.split()), bad.output
+
+
+def test_one_gpu_bench_times_the_compute_side_and_says_so(tmp_path):
+    """`bench --gpus 1` runs a workload whose W = 1 is defined: its table says no communication was
+    timed (a CPU dry run: the host program times, the seed needs GPUs)."""
+    from commweave.report.bench import ONE_GPU_NOTE
+
+    args = ["bench", "gemm-allgather", "--gpus", "1", "--device", "cpu", "--shapes", "64x64x64", "--out-dir",
+            str(tmp_path), "--warmup", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert ONE_GPU_NOTE in result.output
+    [path] = tmp_path.glob("bench-gemm-allgather-1gpu-*.json")
+    row = json.loads(path.read_text())["rows"][0]
+    assert row["comm_bytes"] == 0 and row["programs"]["host"]["timing"]["median_us"] > 0
+    assert row["programs"]["ours"]["verdict"]["failure"] == "unavailable"

@@ -118,6 +118,15 @@ OUTPUT_ERRORS = [
       "locked/x.py"], "--out", "is not writable"),
     (["demo", "--out", "notes.txt/demo"], "--out", "notes.txt is a file"),
     (["demo", "--out", "locked/demo"], "--out", "is not writable"),
+    # pseudo file systems pass os.access for root: the check makes (and removes) a file to know
+    (["demo", "--out", "/proc/demo"], "--out /proc/demo cannot be created"),
+    (["demo", "--out", "/sys/demo"], "--out /sys/demo cannot be created"),
+    (["report", "run.sqlite", "--out", "/sys/report"], "--out /sys/report cannot be created"),
+    (["export", "run.sqlite", "--out", "/proc/best.py"], "--out /proc/best.py cannot be created"),
+    (["export", "run.sqlite", "--out", "/sys/best.py"], "--out /sys/best.py cannot be created"),
+    # a file's folder is never made unasked
+    (["export", "run.sqlite", "--out", "new/dir/best.py"], "folder", "new/dir does not exist"),
+    (["agent", "fast-path", "host.py", "--workload", "gemm-allgather", "--out", "new/x.py"], "new does not exist"),
 ]
 ARGUMENT_ERRORS = [
     # --budget and --stop-after
@@ -137,13 +146,15 @@ ARGUMENT_ERRORS = [
     (["evolve", "nope"], "unknown workload 'nope'"),
     (["agent", "fast-path", "host.py", "--workload", "nope"], "unknown workload 'nope'"),
     (["demo", "--workload", "nope"], "unknown workload 'nope'"),
-    (["bench", "gemm-allgather", "--gpus", "3"], "runs on 2, 4 GPUs, not 3"),
-    (["evolve", "gemm-allgather", "--gpus", "3"], "runs on 2, 4 GPUs, not 3"),
+    (["bench", "gemm-allgather", "--gpus", "3"], "runs on 1, 2, 4 GPUs, not 3"),
+    (["evolve", "gemm-allgather", "--gpus", "3"], "runs on 1, 2, 4 GPUs, not 3"),
+    (["bench", "kv-transfer", "--gpus", "1"], "runs on 2, 4 GPUs, not 1"),  # a transfer needs two ranks
     (["agent", "fast-path", "host.py", "--workload", "gemm-allgather", "--gpus", "3"], "not 3"),
     (["demo", "--gpus", "3"], "not 3"),
     (["bench", "gemm-allgather", "--gpus", "0"], "--gpus", "greater than or equal to 1"),
     (["bench", "gemm-allgather", "--shapes", "12xbanana"], "12xbanana"),
     (["evolve", "gemm-allgather", "--shape", "12xbanana"], "12xbanana"),
+    (["bench", "gemm-allgather", "--shapes", "256x256"], "shape '256x256' is not", "or 'llama70b-M<M>'"),
     (["bench", "gemm-allgather", "--device", "tpu"], "--device must be cuda or cpu, not 'tpu'"),
     (["agent", "fast-path", "host.py", "--workload", "gemm-allgather", "--device", "tpu"], "--device"),
     (["bench", "gemm-allgather", "--iters", "3"], "--iters", "greater than or equal to 20"),
@@ -159,10 +170,11 @@ ARGUMENT_ERRORS = [
     (["report"], "Missing argument"),
     (["frobnicate"], "No such command"),
     # too few GPUs: what can run here instead
-    (["evolve", "gemm-allgather"], "needs 2 CUDA GPUs; this machine has 0", "commweave demo"),
-    (["bench", "gemm-allgather"], "needs 2 CUDA GPUs", "commweave demo", "--device cpu"),
+    (["evolve", "gemm-allgather"], "needs 1 CUDA GPU; this machine has 0", "commweave demo"),
+    (["evolve", "kv-transfer"], "needs 2 CUDA GPUs; this machine has 0", "commweave demo"),
+    (["bench", "gemm-allgather"], "needs 1 CUDA GPU;", "commweave demo", "--device cpu"),
     (["evolve", "gemm-allgather", "--resume", "run.sqlite"], "--gpus 4 needs 4 CUDA GPUs"),
-    (["agent", "fast-path", "host.py", "--workload", "gemm-allgather"], "needs 2 CUDA GPUs", "--device cpu"),
+    (["agent", "fast-path", "host.py", "--workload", "gemm-allgather"], "needs 1 CUDA GPU;", "--device cpu"),
 ]
 
 
@@ -199,17 +211,18 @@ def test_gpu_default_is_what_this_machine_has(monkeypatch):
     """--gpus defaults to the workload's largest world size that fits, else its smallest (refused)."""
     import commweave.runtime.capabilities as caps
 
-    wl, rs = get_workload("gemm-allgather"), get_workload("gemm-reducescatter")
-    for have, expect_ag, expect_rs in [(0, 2, 1), (1, 2, 1), (3, 2, 2), (8, 4, 8)]:
+    wl, rs, kv = get_workload("gemm-allgather"), get_workload("gemm-reducescatter"), get_workload("kv-transfer")
+    for have, expect_ag, expect_rs, expect_kv in [(0, 1, 1, 2), (1, 1, 1, 2), (3, 2, 2, 2), (8, 4, 8, 4)]:
         monkeypatch.setattr(caps, "cuda_device_count", lambda have=have: have)
-        assert (cli._default_gpus(wl), cli._default_gpus(rs)) == (expect_ag, expect_rs), have
-    assert cli._default_gpus(wl, "cpu") == 2
+        assert (cli._default_gpus(wl), cli._default_gpus(rs), cli._default_gpus(kv)) == (expect_ag, expect_rs, expect_kv), have
+    assert cli._default_gpus(wl, "cpu") == 1 and cli._default_gpus(kv, "cpu") == 2
     monkeypatch.setattr(caps, "cuda_device_count", lambda: 1)
-    result = runner.invoke(app, ["evolve", "gemm-allgather", "--budget", "5"])
+    result = runner.invoke(app, ["evolve", "kv-transfer", "--budget", "5"])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "this machine has 1" in result.stderr and "commweave demo" in result.stderr
     on_one = result.stderr[result.stderr.index("a workload that runs on 1 GPU ("):]
-    assert "gemm-reducescatter" in on_one and "gemm-allgather" not in on_one
+    assert all(name in on_one for name in ("gemm-allgather", "attention-cp", "moe", "gemm-reducescatter"))
+    assert "kv-transfer" not in on_one
 
 
 def test_list_reads_at_80_columns():
@@ -222,3 +235,18 @@ def test_list_reads_at_80_columns():
         assert any(f"│ {name} " in line for line in lines), name
         for program in wl.baselines:
             assert program in result.output, program
+
+
+def test_piped_output_is_not_wrapped_or_cut():
+    """With stdout no terminal and COLUMNS unset, tables come at their full width and lines whole."""
+    result = runner.invoke(app, ["list"], env={"COLUMNS": None})
+    assert result.exit_code == 0
+    assert "…" not in result.output.replace("… (", "")
+    assert max(len(line) for line in result.output.splitlines()) > 80
+    for name, wl in registry().items():
+        for shape in wl.bench_shapes(max(wl.world_sizes))[:6]:
+            assert shape.label in result.output, (name, shape.label)
+    line = "run: /" + "/".join(["a-long-folder-name"] * 8) + "/run.sqlite"
+    with cli.console.capture() as said:
+        cli.console.print(line, highlight=False)
+    assert said.get() == line + "\n"

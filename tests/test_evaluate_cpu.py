@@ -121,6 +121,25 @@ def test_deadlock_times_out_and_the_pool_recovers(pool):
     assert_host_still_passes(short)
 
 
+def test_judges_killed_mid_job_leave_no_folder(tmp_path, monkeypatch):
+    """A job past its time limit gets its judges killed (the pool restarts) while its program
+    processes run: their job folder, private folders and rendezvous go with the pool's folder."""
+    import tempfile
+
+    from commweave.evaluate.evaluator import CHECK_JOB
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the judges' temp folder (before the fix: theirs alone)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the pool's
+    with WorkerPool(2, device="cpu", job_timeout_s=60, env=worker_env()) as pool:
+        ev = Evaluator(pool, TOY)
+        result = pool.run(CHECK_JOB, timeout_s=8, budget_s=600, workload=ev.workload_ref, text=program("deadlock"),
+                          name=CANDIDATE, shapes=TOY.check_shapes(2)[:1], seeds=[1])
+        assert result.restarted, result
+        left = [p.name for p in tmp_path.iterdir()]
+        assert len(left) == 1 and left[0].startswith("cw_pool_"), left  # the new pool's, nothing else
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_syntax_error_never_reaches_the_pool(evaluator):
     jobs_before = evaluator.pool._next_job
     verdict = evaluator.check(program("host").replace("def run(ctx, state, inputs, out):", "def run(ctx,"))

@@ -193,6 +193,23 @@ def test_compile_error_carries_nvccs_log(idle_evaluator):
     assert "is undefined" in verdict.message  # nvcc's own words, verbatim
 
 
+def test_cpu_workers_need_no_cuda_toolchain(idle_evaluator, monkeypatch):
+    """Without nvcc or NCCL's headers (the main install) CPU workers skip the compiles, which they
+    would never run; a CUDA pool still says what is missing."""
+    import commweave.evaluate.evaluator as evaluator_module
+    from commweave.runtime.toolchain import ToolchainError
+
+    def missing(source: str) -> None:
+        raise ToolchainError("no NCCL found")
+
+    monkeypatch.setattr(evaluator_module, "compile_cubin", missing)
+    program = (PROGRAMS / "cuda_compile_error.py").read_text()
+    verdict = idle_evaluator.compile(program)
+    assert verdict.ok and "not compiled on CPU workers (no NCCL found)" in verdict.message
+    with pytest.raises(ToolchainError, match="no NCCL found"):
+        Evaluator(WorkerPool(2, device="cuda"), ToyGatherMatmul()).compile(program)
+
+
 def test_compiled_cubin_lands_in_the_cache(idle_evaluator):
     from commweave.runtime.compile import compile_cubin
 

@@ -32,7 +32,7 @@ def wl() -> GemmAllGather:
 # -- shapes ---------------------------------------------------------------------------------------
 def test_registered(wl: GemmAllGather) -> None:
     assert isinstance(get_workload("gemm-allgather"), GemmAllGather)
-    assert wl.baselines == ("host", "torch_async_tp") and wl.seed == "seed" and wl.world_sizes == (2, 4)
+    assert wl.baselines == ("host", "torch_async_tp") and wl.seed == "seed" and wl.world_sizes == (1, 2, 4)
     assert wl.program_names() == sorted(PROGRAMS)
 
 
@@ -77,7 +77,7 @@ def test_parse_shape(wl: GemmAllGather) -> None:
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message):
             wl.parse_shape(text, 4)
-    with pytest.raises(ValueError, match="runs on 2, 4 GPUs, not 3"):
+    with pytest.raises(ValueError, match="runs on 1, 2, 4 GPUs, not 3"):
         wl.parse_shape("96x96x96", 3)
 
 

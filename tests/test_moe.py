@@ -410,7 +410,7 @@ def test_seed_dequant_matches_taco_decompress_on_host(wl: MoELayer, tmp_path: Pa
 # -- shapes ---------------------------------------------------------------------------------------
 def test_workload_basics(wl: MoELayer) -> None:
     assert wl.name == "moe" and wl.baselines == ("host", "host_padded") and wl.seed == "seed"
-    assert wl.world_sizes == (2, 4) and wl.dtype == torch.bfloat16
+    assert wl.world_sizes == (1, 2, 4) and wl.dtype == torch.bfloat16
     assert wl.program_names() == sorted(PROGRAMS)
 
 
@@ -451,7 +451,7 @@ def test_parse_shape_errors(wl: MoELayer) -> None:
     for text, message in bad.items():
         with pytest.raises(ValueError, match=message):
             wl.parse_shape(text, 4)
-    with pytest.raises(ValueError, match="runs on 2, 4 GPUs, not 8"):
+    with pytest.raises(ValueError, match="runs on 1, 2, 4 GPUs, not 8"):
         wl.parse_shape("dsv3-T128", 8)
 
 

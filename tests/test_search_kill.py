@@ -1,5 +1,6 @@
 """SIGKILL of a search takes its worker processes with it: judges, their zygotes and program
-processes are gone 5 s later (none reparented to init, holding devices)."""
+processes are gone 5 s later (none reparented to init, holding devices), and what they leave in the
+temp folder is the pool's one folder (the killed search cannot remove it)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_of_the_search_leaves_no_worker(tmp_path) -> None:
+    temp = tmp_path / "tmp"  # the search's temp folder: what the killed search leaves goes with tmp_path
+    temp.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", SEARCH, str(tmp_path / "run.sqlite"), str(TESTS)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(temp)})
     try:
         deadline = time.monotonic() + 120
         workers: set[int] = set()
@@ -72,6 +75,8 @@ def test_sigkill_of_the_search_leaves_no_worker(tmp_path) -> None:
         time.sleep(5)
         left = sorted(pid for pid in workers | _descendants(proc.pid) if _alive(pid))
         assert not left, f"processes alive 5 s after SIGKILL of the search: {left}"
+        pools = [p.name for p in temp.iterdir()]
+        assert len(pools) == 1 and pools[0].startswith("cw_pool_"), pools
     finally:
         if proc.poll() is None:
             proc.kill()

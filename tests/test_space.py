@@ -198,3 +198,34 @@ def test_templates_render_gin_only_where_the_probe_found_it():
         Anything(get_workload("gemm-allgather")).render(gin, None, 2)
     text = Anything(get_workload("gemm-allgather")).render(gin, None, 2, Capabilities(True, ""))
     assert directives_of(text) == gin and parse_program(text)
+
+
+def test_one_gpu_search_varies_only_what_one_gpu_shows():
+    """At W = 1 (nothing to communicate) a template's search space keeps every dimension but its
+    `one_gpu_dimensions` at the seed's value; those keep every value they have on 2 GPUs."""
+    from commweave.search.proposer import OfflineProposer
+    from commweave.contracts.workload import Cost
+    from commweave.workloads import registry
+
+    seen = 0
+    for name, wl in registry().items():
+        if 1 not in wl.world_sizes:
+            continue
+        try:
+            template = wl.template()
+        except LookupError:
+            continue
+        seen += 1
+        one, two, seed = template.dimension_values(1), template.dimension_values(2), template.seed_directives()
+        assert set(template.one_gpu_dimensions) <= set(one), (name, template.one_gpu_dimensions)
+        for dim, values in one.items():
+            if dim in template.one_gpu_dimensions:
+                assert values == two[dim], (name, dim)
+            else:
+                assert values == (seed.get(dim),), (name, dim, values)
+        varied = {d for d, v in one.items() if len(v) > 1}
+        assert varied <= set(template.one_gpu_dimensions), (name, varied)
+        assert set(OfflineProposer(template, 1, Cost()).dims) == varied, name
+    assert seen >= 4  # gemm-allgather (and -lossy), attention-cp, moe (and -lossy), gemm-reducescatter
+    plain_gemm = get_workload("gemm-reducescatter").template().dimension_values(1)  # its seed at W = 1
+    assert all(len(values) == 1 for values in plain_gemm.values())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
@@ -48,9 +48,24 @@ class _OneLineErrors(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+class _Console(Console):
+    """rich's Console, with lines never wrapped (a path or a command stays whole, to be copied) and,
+    when stdout is no terminal (a pipe, a file) and COLUMNS is unset, `PIPED_WIDTH` columns instead
+    of rich's 80, so tables come out at their full width instead of cut ("unavai…")."""
+
+    PIPED_WIDTH = 1000
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal and "COLUMNS" not in os.environ:
+            return ConsoleDimensions(self.PIPED_WIDTH, size.height)
+        return size
+
+
 app = typer.Typer(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
                   help="Co-design computation and communication on multi-GPU machines.")
-console = Console()
+console = _Console(soft_wrap=True)
 
 
 @app.callback()
@@ -94,27 +109,46 @@ def _require_gpus(n: int, what: str, cpu_option: bool = False) -> None:
     fitting = sorted(name for name, wl in registry().items() if min(wl.world_sizes) <= have)
     if fitting:
         instead.append(f"a workload that runs on {have} GPU{'s' * (have != 1)} ({', '.join(fitting)})")
-    _fail(f"{what} needs {n} CUDA GPUs; this machine has {have}. Here you can run: {'; '.join(instead)}.")
+    _fail(f"{what} needs {n} CUDA GPU{'s' * (n != 1)}; this machine has {have}. Here you can run: {'; '.join(instead)}.")
 
 
-def _check_writable(path: Path, what: str, *, folder: bool = False) -> None:
-    """ValueError unless `path` (a file, or a `folder`, to be written, with any missing parent
+def _check_writable(path: Path, what: str, *, folder: bool = False, new_folders: bool = False) -> None:
+    """ValueError unless `path` (a file, or a `folder` to be written with any missing parent
     folders) can be written: an existing path must be of that kind and writable, and its nearest
-    existing ancestor a writable folder. Called before any work, so a bad --out costs nothing."""
+    existing ancestor a folder where a file can really be made (tried: /proc and /sys pass
+    os.access for root). A file's folder must exist unless `new_folders` (a default path the
+    command makes), so no folder appears that the user did not ask for. Called before any work, so
+    a bad --out costs nothing."""
     path = Path(path).absolute()
     if path.exists():
         if path.is_dir() != folder:
             raise ValueError(f"{what} {path} is a {'file' if folder else 'folder'}, not a {'folder' if folder else 'file'}")
         if not os.access(path, os.W_OK):
             raise ValueError(f"{what} {path} is not writable")
+        _try_writing(path if folder else path.parent, f"{what} {path} is not writable")
         return
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{what} {path} cannot be created: {parent} is a file, not a folder")
+    if not folder and not new_folders and parent != path.parent:
+        raise ValueError(f"{what} {path} cannot be created: folder {path.parent} does not exist (create it first)")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path} cannot be created: folder {parent} is not writable")
+    _try_writing(parent, f"{what} {path} cannot be created in {parent}")
+
+
+def _try_writing(folder: Path, message: str) -> None:
+    """ValueError(`message` and the system's reason) unless a file can be made in `folder` (one is
+    made and removed at once)."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".commweave-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{message} ({exc.strerror or exc})") from None
 
 
 def _check_candidate(path: Path) -> str:
@@ -285,7 +319,7 @@ def bench(
         programs = {name: wl.program_text(name) for name in wl.baselines} | {"ours": ours_text}
         _check_writable(out_dir, "--out-dir", folder=True)
     except (KeyError, ValueError) as exc:
-        _fail(str(exc).strip("'\""))
+        _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
     if device == "cuda":
         _require_gpus(gpus, f"bench {workload} --gpus {gpus}", cpu_option=True)
     try:
@@ -414,6 +448,10 @@ def evolve(
             devices = split_gpus(cuda_device_count(), plan.gpus)
     path, models = plan.path, plan.models
     console.print(f"run: {path} ({plan.shape}, {plan.gpus} GPUs, budget {plan.budget.to_dict()})", highlight=False)
+    if plan.gpus == 1:
+        varied = ", ".join(d.removeprefix("knob:") for d in plan.template.one_gpu_dimensions) or "nothing (one program)"
+        console.print(f"1 GPU: nothing to communicate, so no communication is timed; the search varies what changes "
+                      f"the compute side: {varied}", highlight=False)
     if models:
         cap = f"${plan.llm_budget_usd:g}" if plan.llm_budget_usd is not None else "the run's" if plan.resumed else "no cap"
         console.print(f"LLM islands: {plan.config.llm_islands} of {plan.config.islands} "
@@ -485,7 +523,6 @@ def _export_best(run: Path, out: Path) -> str:
     if best is None:
         raise ValueError(f"run {run} has no correct program to export")
     simulated = {"simulated": True} if meta.get("simulated") else {}
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(export_text(best.code, meta["workload"], run=run.name, program_id=best.id,
                                fitness=round(best.fitness, 4), baseline=best.timings.get("baseline"),
                                shape=meta.get("shape"), gpus=meta.get("gpus"), **simulated))
@@ -577,10 +614,11 @@ def fast_path(
         wl = _workload_named(workload)
         gpus = gpus or _default_gpus(wl, device)
         wl.check_world_size(gpus)
-        if out is None:
+        default_out = out is None
+        if default_out:
             stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             out = Path("runs") / f"fast-path-{wl.name}-{gpus}gpu-{stamp}.py"
-        _check_writable(out, "--out")
+        _check_writable(out, "--out", new_folders=default_out)
         analyze_program(program)  # the wrong kind of file, or one without collectives, fails here
         try:
             template = wl.template()

@@ -58,11 +58,18 @@ def comparison_table(report: BenchReport) -> Table:
     return table
 
 
+#: what a one-GPU table is (and is not)
+ONE_GPU_NOTE = ("1 GPU: nothing to communicate, so no communication was timed; these are the programs' "
+                "compute sides alone (what overlap has to hide on more GPUs)")
+
+
 def notes(report: BenchReport) -> list[str]:
-    """Plain lines under the table: what yardsticks are, each communication yardstick's bandwidth
-    against the measured peer-copy rate, the judge's resolution (calls a batch, crossing cost),
-    device memory, and every failure with its message."""
+    """Plain lines under the table: on one GPU that no communication was timed, what yardsticks
+    are, each communication yardstick's bandwidth against the measured peer-copy rate, the judge's
+    resolution (calls a batch, crossing cost), device memory, and every failure with its message."""
     lines = []
+    if report.gpus == 1:
+        lines.append(ONE_GPU_NOTE)
     if report.yardsticks:
         lines.append(f"yardsticks ({', '.join(report.yardsticks)}): timed in the same job, not checked "
                      "(see the workload's yardsticks)")

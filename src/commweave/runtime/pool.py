@@ -5,10 +5,16 @@ a function `fn(ctx, **kwargs)` named by import path; it runs on all ranks at onc
 rank returns a picklable value. A hung job cannot be interrupted inside CUDA (a kernel spinning on
 a flag nobody sets is the common distributed bug), so the watchdog kills the whole pool when the
 job's time runs out, starts a fresh one, and reports `timeout`: the caller goes on.
+
+Each pool has one folder (cw_pool_*): the rendezvous, and the workers' temp folder, where the judges
+make job folders and candidates' private folders. The pool removes it whenever it kills its
+workers (close, restart), so a judge killed mid-job leaves nothing behind; only a SIGKILL of the
+pool's own process leaves the one folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -18,9 +24,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from commweave.runtime.confine import apply_safe_env, die_with_parent
+from commweave.runtime.confine import apply_safe_env, die_with_parent, remove_tree
 
 # Errors after which a CUDA context is unusable: the worker must die and be replaced.
 STICKY_CUDA_ERRORS = (
@@ -135,9 +142,10 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
     return RankContext.from_process_group(device)
 
 
-def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, env: dict[str, str],
+def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, scratch: str, env: dict[str, str],
                  jobs: mp.Queue, results: mp.Queue) -> None:
     die_with_parent(parent=mp.parent_process().pid)  # a killed search takes its judges (and theirs) along
+    tempfile.tempdir = scratch  # this judge's temporary folders, inside the pool's (removed with it)
     os.environ.update(env)
     apply_safe_env()
     try:
@@ -213,11 +221,14 @@ class WorkerPool:
         spawn = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="cw_pool_")
         init_file = os.path.join(self._tmp.name, "rendezvous")
+        scratch = os.path.join(self._tmp.name, "tmp")
+        os.mkdir(scratch, 0o700)
         self._results = spawn.Queue()
         self._job_queues = [spawn.Queue() for _ in range(self.world_size)]
         self._procs = [
             spawn.Process(target=_worker_main, name=f"commweave-rank{r}", daemon=True,
-                          args=(r, self.world_size, self.device, init_file, self.env, self._job_queues[r], self._results))
+                          args=(r, self.world_size, self.device, init_file, scratch, self.env, self._job_queues[r],
+                                self._results))
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -251,6 +262,10 @@ class WorkerPool:
                 q.close()
         self._procs, self._job_queues, self._results = [], [], None
         if self._tmp is not None:
+            # what killed judges and their candidates left, links never followed (remove_tree); a
+            # program process still dying may write meanwhile, then the cleanup below retries
+            with contextlib.suppress(OSError):
+                remove_tree(Path(self._tmp.name))
             self._tmp.cleanup()
             self._tmp = None
 

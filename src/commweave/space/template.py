@@ -44,6 +44,11 @@ class Template(ABC):
     values this template implements; dimensions missing from it are implemented for every value.
     The workload it renders for is passed in (`Workload.template()` does), never imported here."""
 
+    #: the dimensions (directives, or 'knob:<name>') that change what a program does on one GPU,
+    #: where there is nothing to communicate: at W = 1 the search holds every other dimension at
+    #: the seed's value (`dimension_values`), so it spends its budget on what one GPU can show
+    one_gpu_dimensions: tuple[str, ...] = ()
+
     def __init__(self, workload: Workload):
         self.workload = workload
 
@@ -100,7 +105,8 @@ class Template(ABC):
         return directives_header(ds) + self.render_text(ds, shape, world_size)
 
     def dimension_values(self, world_size: int) -> dict[str, tuple[Any, ...]]:
-        """The values a search may try per dimension: the space's, narrowed by `supported`."""
+        """The values a search may try per dimension: the space's, narrowed by `supported`; at
+        W = 1 only `one_gpu_dimensions` vary, every other one keeps the seed's value."""
         space = self.space(world_size)
         supported = self.supported()
         out: dict[str, tuple[Any, ...]] = {}
@@ -110,6 +116,11 @@ class Template(ABC):
         for dim, values in supported.items():
             if dim.startswith("knob:"):
                 out[dim] = tuple(values)
+        if world_size == 1:
+            seed = self.seed_directives()
+            for dim in out:
+                if dim not in self.one_gpu_dimensions:
+                    out[dim] = (seed.get(dim),)
         return out
 
     def describe(self) -> str:

@@ -38,7 +38,7 @@ _HADAMARD_CODE = {False: 0, True: 1, "adaptive": 2}
 MAX_SOURCES = 8  # `Sources` in the .cu
 THREADS = 256
 # register budget per kernel: blocks of THREADS resident per SM (more: more warps to hide latency,
-# fewer registers; measured with bench/taco_codec.py and probe_taco_kernels.py: compress is fastest
+# fewer registers; measured with bench/taco_codec.py and probe_taco_kernels.py (removed after 49add32): compress is fastest
 # at 2 (3 spills, and 128-thread blocks 5 a SM measured alike: NOTES.md), gather is as fast at 2, 3
 # or 4; the transposed layout's gather spills at 4)
 MIN_BLOCKS_PER_SM = {"compress": 2, "gather": 3, "sum": 2}

@@ -46,6 +46,10 @@ RENAMED = {"block_kernel": "backend"}  # template knob -> CONFIG key (`backend` 
 
 
 class AttentionCPTemplate(Template):
+    #: one GPU: the push or pull program's block attention (its kernel, GQA, query blocks, accumulator), graphed or not
+    one_gpu_dimensions = ("knob:direction", "knob:block_kernel", "knob:native_gqa", "knob:q_block", "knob:accumulate",
+                          "knob:graph")
+
     def __init__(self, workload: Workload):
         super().__init__(workload)
         self._texts = {direction: workload.program_text(name) for direction, name in PROGRAM.items()}

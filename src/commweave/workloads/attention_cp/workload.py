@@ -5,7 +5,8 @@ Rank r holds the queries, keys and values of its tokens, `inputs["q"]` [S/W, Hq,
 the attention of its queries over the keys and values of the *whole* sequence, so every rank
 needs every other rank's K and V. Non-causal: rank r holds the contiguous block r. Causal: zigzag
 load balancing (the sequence in 2W chunks, rank r holding chunks r and 2W-1-r, stored in that
-order), so every rank attends to the same number of (query, key) pairs.
+order), so every rank attends to the same number of (query, key) pairs. At W = 1 one rank holds
+the whole sequence and nothing is exchanged: the compute side alone.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class AttentionCP(Workload):
     op_inputs = ("q", "k", "v")  # what a caller passes to the op
     summary = "out[S/W, Hq, D] = attention(q_local, K, V of the whole sequence), bf16, causal zigzag or full"
     dtype = torch.bfloat16
-    world_sizes = (2, 4)
+    world_sizes = (1, 2, 4)
     baselines = ("host", "allgather", "torch_cp")
     #: the issue's "ideal": this rank's attention with all keys present, no communication, computed
     #: as the seed does (two blocks + merge) and as all-gather + SDPA does; the faster is the ideal

@@ -44,6 +44,9 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class GemmAllGatherTemplate(Template):
+    #: one GPU: the GEMM of the whole A, with `comm_ctas` SMs carved out of it or not, in a CUDA graph or not
+    one_gpu_dimensions = ("comm_ctas", "knob:carveout", "knob:graph")
+
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=256 << 10, chunk_bytes_max=64 << 20, comm_ctas=(1, 2, 4, 8, 16, 32),
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())

@@ -3,7 +3,8 @@
 A [M, K] is split by rows over W ranks, B [K, N] by columns. Rank r holds A rows
 [r*M/W, (r+1)*M/W) as `inputs["a"]` [M/W, K] and B columns as `inputs["b"]` [K, N/W]; it must
 produce `out` [M, N/W] = all_gather(A) @ B_local. Communication (gathering A) can overlap the GEMM
-row block by row block, which is what the device-initiated seed exploits.
+row block by row block, which is what the device-initiated seed exploits. At W = 1 there is
+nothing to gather: every program is its GEMM (the compute side alone, what overlap must hide).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class GemmAllGather(Workload):
     op_inputs = ("a", "b")  # what a caller passes to the op
     summary = "out[M, N/W] = all_gather(A rows)[M, K] @ B[K, N/W], bf16"
     dtype = torch.bfloat16
-    world_sizes = (2, 4)
+    world_sizes = (1, 2, 4)
     baselines = ("host", "torch_async_tp")
     seed = "seed"
 

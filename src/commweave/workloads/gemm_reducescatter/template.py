@@ -40,6 +40,8 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class GemmReduceScatterTemplate(Template):
+    one_gpu_dimensions = ()  # one GPU: the seed is the plain GEMM, whatever its directives
+
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=256 << 10, chunk_bytes_max=64 << 20, comm_ctas=(1, 2, 4, 8, 16, 32),
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())

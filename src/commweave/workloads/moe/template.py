@@ -41,6 +41,9 @@ KNOBS: dict[str, tuple[Any, ...]] = {
 
 
 class MoETemplate(Template):
+    #: one GPU: the experts' GEMMs and SwiGLU, the combine's weighted sum, graphed or not
+    one_gpu_dimensions = ("knob:experts", "knob:swiglu", "knob:combine_ctas", "knob:combine_threads", "knob:graph")
+
     def space(self, world_size: int, capabilities: Any = None) -> Space:
         return Space(chunk_bytes_min=REGION, chunk_bytes_max=REGION, comm_ctas=COMM_CTAS,
                      tolerance=self.workload.tolerance(), capabilities=capabilities or Capabilities())
@@ -59,7 +62,8 @@ class MoETemplate(Template):
                                             experts="auto", swiglu="fused", wait="kernel", graph=True))
 
     def default_shape(self, world_size: int) -> Shape:
-        return self.workload.dsv3_shape(4096, world_size)
+        """DeepSeek-V3 prefill (T 4096 a rank); on one GPU, its one-GPU bench shape (all 256 experts do not fit)."""
+        return self.workload.bench_shapes(1)[0] if world_size == 1 else self.workload.dsv3_shape(4096, world_size)
 
     def render_text(self, ds: DirectiveSet, shape: Shape, world_size: int) -> str:
         compression = {"compression": ds.compression, "group_size": ds.group_size} if ds.compression != "none" else {}

@@ -12,6 +12,11 @@ Shapes: 'dsv3-T<tokens per rank>[-skew<ratio>]' (DeepSeek-V3: H 7168, I 2048, 25
 top-8, 8 groups, top-4 groups) or 'T<t>-H<h>-I<i>-E<e>-k<k>-g<g>-tg<tg>[-skew<ratio>]'. CPU checks
 use the same routing structure (top-8, 8 groups, top-4 groups) with H, I and E scaled down.
 
+At W = 1 every expert is local and nothing is exchanged: the compute side alone. DeepSeek-V3's
+256 experts with every program's buffers do not fit one H200, so one GPU's bench shape holds the
+experts one GPU holds on 4 (`ONE_GPU_EXPERTS`, E 64) at the decode size (T 128; T 4096 ran out of
+memory there too).
+
 Expert weights are drawn per (seed, expert id) from their own generator, so any rank can
 regenerate any expert: the reference loops over experts and never holds more than one.
 """
@@ -33,6 +38,7 @@ from commweave.workloads.moe import routing, training
 
 DSV3 = dict(H=7168, I=2048, E=256, K=8, G=8, TG=4)
 DSV3_TOKENS = (128, 4096)  # decode, prefill (tokens per rank)
+ONE_GPU_EXPERTS = DSV3["E"] // 4  # W = 1: the experts one GPU holds on 4 (all 256 do not fit one H200)
 SKEW_RATIOS = (2, 3, 4, 5)
 _DSV3 = re.compile(r"^\s*dsv3-T(-?\d+)(?:-skew(-?\d+))?\s*$")
 _GENERIC = re.compile(r"^\s*T(-?\d+)-H(-?\d+)-I(-?\d+)-E(-?\d+)-k(-?\d+)-g(-?\d+)-tg(-?\d+)(?:-skew(-?\d+))?\s*$")
@@ -43,7 +49,7 @@ class MoELayer(Workload):
     op_inputs = ("x", "topk_idx", "topk_weights", "w13", "w2")  # what a caller passes to the op
     summary = "DeepSeek-V3 MoE layer, expert parallel: dispatch, SwiGLU experts, combine (bf16)"
     dtype = torch.bfloat16
-    world_sizes = (2, 4)
+    world_sizes = (1, 2, 4)
     baselines = ("host", "host_padded")
     seed = "seed"
     #: the seed's dispatch and combine alone (no expert computation; not a correct program): with
@@ -80,6 +86,8 @@ class MoELayer(Workload):
         return self.make_shape(world_size, tokens, **DSV3, skew=skew, label=label)
 
     def bench_shapes(self, world_size: int) -> list[Shape]:
+        if world_size == 1:
+            return [self.make_shape(1, DSV3_TOKENS[0], **{**DSV3, "E": ONE_GPU_EXPERTS})]
         shapes = [self.dsv3_shape(t, world_size) for t in DSV3_TOKENS]
         return shapes + [self.dsv3_shape(4096, world_size, r) for r in SKEW_RATIOS]
 
