@@ -1,4 +1,6 @@
-"""Attention at W = 1 on one GPU, forward and forward + backward: `ContextParallelAttention` (no
+"""Figure: bench/results/attention-cp-w1-1gpu-*.json, attention at W = 1 against SDPA on one GPU.
+
+Attention at W = 1 on one GPU, forward and forward + backward: `ContextParallelAttention` (no
 group: SDPA on [B, H, S, D] views of the sequence-major tensors), the differentiable ring op at
 W = 1 (`context_parallel_attention_lse`: what a group of one runs), and the forward-only op's
 single-rank path (issue 32 measured it at 46.2 / 55.2 ms full / causal at S = 8192 when it handed

@@ -1,4 +1,6 @@
-"""Judge fidelity: the judge's time of a program against the same work timed in-process, per shape.
+"""Figure: bench/results/judge-fidelity-{1gpu,cpu}-*.json, the judge's time of a program against its in-process time.
+
+Judge fidelity: the judge's time of a program against the same work timed in-process, per shape.
 
     PYTHONPATH=src python bench/judge_fidelity.py --device cpu
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\

@@ -1,4 +1,6 @@
-"""The tax at W = 1: commweave's layers' forward + backward time over the plain PyTorch layers' on one GPU.
+"""Figure: bench/results/layers-w1-1gpu-*.json, the W = 1 tax of commweave's layers over the plain PyTorch layers.
+
+The tax at W = 1: commweave's layers' forward + backward time over the plain PyTorch layers' on one GPU.
 
 Where there is nothing to communicate a layer should cost what the plain computation costs (issue
 32, item 6). On one GPU, bf16, this times forward alone and forward + backward (a training step's
