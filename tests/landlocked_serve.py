@@ -1,12 +1,13 @@
-"""A program-process entry point that only resolves where the temp folder is readable, i.e. without
+"""A program-process entry point that only resolves where /tmp is readable, i.e. without
 Landlock (tests/test_runtime.py: the judge gives up the confinement a machine cannot start under)."""
 
 from __future__ import annotations
 
-import tempfile
+import os
 from pathlib import Path
 
-MARKER = Path(tempfile.gettempdir()) / "commweave_landlocked_serve"
+# In /tmp itself, not the temp folder: a program process's TMPDIR is its own folder, which it may read.
+MARKER = Path("/tmp") / f"commweave_landlocked_serve_{os.getuid()}"
 
 
 def _serve(ctx, conn) -> None:

@@ -26,6 +26,10 @@ class HeldJudge:
     def __init__(self, judge: Evaluator, eval_s: float):
         self.judge, self.eval_s = judge, eval_s
 
+    @property
+    def pool(self) -> WorkerPool:
+        return self.judge.pool
+
     def compile_source(self, source: str) -> object:
         return self.judge.compile_source(source)
 

@@ -133,7 +133,10 @@ def run(ctx, state, inputs, out):
 
 
 class ToyTemplate(Template):
-    """Knob `pieces` changes the schedule; knob `scale` != 1 is a wrong program (wrong_result)."""
+    """Knob `pieces` changes the schedule; knob `scale` != 1 is a wrong program (wrong_result).
+    Both vary on one worker too (the toy's gather is a copy there, its schedule still the knob's)."""
+
+    one_gpu_dimensions = ("knob:pieces", "knob:scale")
 
     def __init__(self):
         super().__init__(ToyGatherMatmul())

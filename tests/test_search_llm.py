@@ -552,4 +552,4 @@ def test_evolve_llm_resolves_configured_models_before_the_gpu_check(no_llm_env, 
                                           'base_url = "http://127.0.0.1:9/v1"\n')
     result = runner.invoke(app, ["evolve", "gemm-allgather", "--llm", "mine", "--llm-config", "models.toml",
                                  "--llm-budget", "2"])
-    assert result.exit_code == 2 and "needs 2 CUDA GPUs" in said(result)
+    assert result.exit_code == 2 and "needs 1 CUDA GPU;" in said(result)

@@ -43,6 +43,12 @@ class _PoolActor:
     def ready(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Close the judge's pool (its worker processes and temporary folder), where it has one."""
+        pool = getattr(self.judge, "pool", None)
+        if pool is not None:
+            pool.close()
+
     def evaluate(self, text: str, shape: Shape, artifacts: dict[str, bytes]) -> tuple[Any, str]:
         """(the judge's result, this node's name)."""
         import ray
@@ -56,8 +62,8 @@ class _PoolActor:
 
 class RayPools:
     """`count` pools, each a Ray actor with `gpus_per_pool` GPUs (and `cpus_per_pool` CPUs) whose
-    judge is `build(**kwargs)` ("module:function", importable on every node), spread over the
-    cluster's nodes. A lost pool is replaced; a replacement the cluster cannot place within
+    judge is `build(**kwargs)` ("module:function", importable on every node; a judge with a `pool`
+    has it closed with the actor), spread over the cluster's nodes. A lost pool is replaced; a replacement the cluster cannot place within
     `placement_timeout_s` (its node's capacity is gone) retires the slot."""
 
     def __init__(self, build: str, kwargs: dict[str, Any], count: int, *, gpus_per_pool: int = 0,
@@ -155,7 +161,11 @@ class RayPools:
         """End one pool's actor (what a lost node does to it); its candidate comes back as PoolLost."""
         self.ray.kill(self._actors[index], no_restart=True)
 
-    def close(self) -> None:
-        for actor in self._actors:
-            if actor is not None:
-                self.ray.kill(actor, no_restart=True)
+    def close(self, wait_s: float = 30.0) -> None:
+        """Ask every pool to close its judge's pool (workers, temporary folder), then end the actors;
+        one that has not closed within `wait_s` (a lost node's) is ended all the same."""
+        actors = [actor for actor in self._actors if actor is not None]
+        refs = [actor.close.remote() for actor in actors]
+        self.ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for actor in actors:
+            self.ray.kill(actor, no_restart=True)
