@@ -63,8 +63,9 @@ class _PoolActor:
 class RayPools:
     """`count` pools, each a Ray actor with `gpus_per_pool` GPUs (and `cpus_per_pool` CPUs) whose
     judge is `build(**kwargs)` ("module:function", importable on every node; a judge with a `pool`
-    has it closed with the actor), spread over the cluster's nodes. A lost pool is replaced; a replacement the cluster cannot place within
-    `placement_timeout_s` (its node's capacity is gone) retires the slot."""
+    has it closed with the actor), spread over the cluster's nodes. A lost pool is replaced; a
+    replacement the cluster cannot place within `placement_timeout_s` (its node's capacity is
+    gone) retires the slot."""
 
     def __init__(self, build: str, kwargs: dict[str, Any], count: int, *, gpus_per_pool: int = 0,
                  cpus_per_pool: float = 1.0, address: str | None = None, placement_timeout_s: float = 60.0):
