@@ -30,7 +30,8 @@ def test_own_format_and_pkb_layout_are_read_in_place(tmp_path: Path) -> None:
     own = load_problem(OWN)
     assert (own.kind, own.world_sizes, own.tolerance) == ("file", (1, 2, 4), 1e-3)
     pkb = problems_in(HERE / "pkb", base_shape=(8, 4), dtype="float32")
-    assert [(p.name, p.kind, p.problem_id, p.base_shape) for p in pkb] == [("3_scaled_allreduce", "pkb", 3, (8, 4))]
+    assert [(p.name, p.kind, p.problem_id, p.base_shape) for p in pkb] == [("3_scaled_allreduce", "pkb", 3, (8, 4)),
+                                                                         ("16_matmul_reducescatter", "pkb", 16, (8, 4))]
     bad = tmp_path / "bad.py"
     bad.write_text("def make_inputs(rank, world_size, seed, device):\n    return ()\n")
     with pytest.raises(ProblemError, match="defines no solution"):
@@ -130,3 +131,28 @@ def test_problems_bind_names_the_template_or_says_why_not() -> None:
     unbound = runner.invoke(app, ["problems", "bind", str(ref), "--gpus", "2", "--device", "cpu", "--shape", "8x4",
                                   "--dtype", "float32"])
     assert unbound.exit_code == 2 and "no known pattern" in unbound.output
+
+
+def test_evolve_problem_dry_run_binds_and_searches_with_a_simulated_judge(tmp_path: Path) -> None:
+    """2 CPU ranks trace each reference: all-gather -> matmul (our format) and matmul ->
+    reduce-scatter (PKB layout) bind to their templates, and `evolve --problem --dry-run` runs the
+    $0 search on them with no GPU; its run says simulated and resumes only as a dry run."""
+    from commweave.search.driver import run_meta
+
+    runner = CliRunner()
+    cases = [([str(OWN)], "gemm-allgather", "256x256x512"),
+             ([str(HERE / "pkb" / "reference" / "16_matmul_reducescatter.py")], "gemm-reducescatter", "1024x1024x2048")]
+    for args, workload, shape in cases:
+        runs = tmp_path / workload
+        result = runner.invoke(app, ["evolve", "--problem", *args, "--dry-run", "--gpus", "2", "--budget", "12",
+                                     "--runs-dir", str(runs)])
+        assert result.exit_code == 0, result.output
+        assert f"template {workload}" in result.output and "dry run: 12 evaluated" in result.output, result.output
+        (path,) = runs.glob("*.sqlite")
+        meta = run_meta(path)
+        assert meta["simulated"] and meta["workload"] == workload and meta["gpus"] == 2, meta
+        assert meta["shape"] == shape, meta["shape"]
+    real = runner.invoke(app, ["evolve", "gemm-reducescatter", "--resume", str(path)])
+    assert real.exit_code == 2 and "a dry run (simulated judge): resume it with --dry-run" in real.output
+    llm = runner.invoke(app, ["evolve", "--problem", str(OWN), "--dry-run", "--llm", "openai:m"])
+    assert llm.exit_code == 2 and "leave out --cluster, --pool-gpus and --llm" in llm.output

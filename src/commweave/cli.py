@@ -402,6 +402,9 @@ def evolve(
                                     "with --llm: half of --islands, at least 1)"),
     problem: Path = typer.Option(None, "--problem", help="a problem file or ParallelKernelBench reference: its "
                                  "reference is traced and bound to the template of a known pattern (replaces WORKLOAD)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="no GPU: the search (and --problem's binding, traced on CPU "
+                                 "ranks) with `commweave demo`'s simulated judge instead of compiling and timing "
+                                 "programs; everything it writes says simulated"),
 ) -> None:
     """Search the workload's directive space and template knobs on this machine's GPUs.
 
@@ -418,8 +421,13 @@ def evolve(
 
     if (workload is None) == (problem is None):
         _fail("give a workload (see `commweave list`) or --problem PROBLEM, one of them")
+    if dry_run and (cluster is not None or pool_gpus is not None or llm):
+        _fail("--dry-run runs here with a simulated judge and no LLM: leave out --cluster, --pool-gpus and --llm")
     if problem is not None:
-        workload, shape = _bound_workload(problem, shape, pool_gpus or gpus or 2)
+        bound_at = pool_gpus or gpus or 2
+        workload, shape = _bound_workload(problem, shape, bound_at)
+        if dry_run and gpus is None:
+            gpus = bound_at
     if pool_gpus is not None and cluster is not None:
         _fail("--pool-gpus splits this node's GPUs and --cluster uses a Ray cluster's: give one of them")
     if cluster is not None:
@@ -433,14 +441,19 @@ def evolve(
         if resume is None:
             _check_writable(runs_dir, "--runs-dir", folder=True)
         if gpus is None and pool_gpus is None and resume is None:
-            gpus = _default_gpus(_workload_named(workload))
+            gpus = _default_gpus(_workload_named(workload), "cpu" if dry_run else "cuda")
         plan = plan_run(workload, gpus=pool_gpus or gpus or 0, budget=budget, shape=shape, islands=islands, seed=seed,
                         resume=resume, runs_dir=runs_dir, compile_workers=compile_workers, llm=llm or (),
                         llm_config=llm_config, llm_budget=llm_budget, llm_islands=llm_islands, stop_after=stop_after)
         if resume is not None:
             _check_writable(resume, "--resume")  # the search goes on writing into it
+            if bool(run_meta(resume).get("simulated")) != dry_run:
+                _fail(f"--resume {resume}: {'a dry run (simulated judge): resume it with --dry-run' if not dry_run else 'a run on GPUs: resume it without --dry-run'}")
     except (KeyError, ValueError, LookupError, FileNotFoundError, ImportError) as exc:
         _fail(str(exc).strip("'\"") if isinstance(exc, KeyError) else str(exc))  # KeyError's str() is a repr
+    if dry_run:
+        _simulated_search(plan)
+        return
     devices = [list(range(plan.gpus))]
     if cluster is None:
         _require_gpus(plan.gpus, f"evolve {workload} --gpus {plan.gpus}")
@@ -724,6 +737,22 @@ def judge(
                       f"({verdict.solution_us:,.1f} µs vs {verdict.reference_us:,.1f} µs)", highlight=False)
     else:
         console.print(f"{spec.name}: wrong: {escape(verdict.failure or '')}", highlight=False)
+
+
+def _simulated_search(plan: Any) -> None:
+    """`evolve --dry-run`: the planned search (proposers, islands, database, resume) with demo's
+    simulated judge; the run is marked simulated, so its report and export say so."""
+    from commweave.search.driver import evolve as search
+    from commweave.search.simulate import demo_evaluator
+
+    console.print(f"dry run: {plan.path} ({plan.shape}, {plan.gpus} simulated GPUs, budget {plan.budget.to_dict()}); "
+                  f"a simulated judge scores each program's directives, nothing is compiled or timed", highlight=False)
+    with console.status("simulated search"):
+        best, count, _ = search(plan.path, plan.template, demo_evaluator(plan.template, plan.gpus, plan.config.seed),
+                                plan.shape, plan.gpus, plan.budget, plan.config, simulated=True)
+    said = f"best: program #{best.id}, {best.fitness:.2f}x (simulated)" if best else "none correct"
+    console.print(f"dry run: {count} evaluated; {said}. Next: commweave report {plan.path}; on GPUs: the same "
+                  f"command without --dry-run", highlight=False)
 
 
 def _bound_workload(problem: Path, shape: str | None, world_size: int) -> tuple[str, str | None]:

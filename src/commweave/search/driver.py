@@ -47,12 +47,14 @@ def run_meta(path: Path) -> dict[str, Any]:
 def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_size: int, budget: Budget,
            config: SearchConfig, *, rates: Any = None, capabilities: Any = None,
            progress: Any = None, stop_after_s: float | None = None, llm_models: Sequence[Any] = (),
-           llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None, pools: Pools | None = None):
+           llm_budget_usd: float | None = None, hardware: Mapping[str, Any] | None = None, pools: Pools | None = None,
+           simulated: bool = False):
     """Run (or resume) the search; with a rich `Progress`, one bar tracks the budget and the best
     speedup so far (and the LLM dollars spent). `llm_models` (ModelConfigs) propose on the last
     `config.llm_islands` islands; `pools` evaluates several candidates at once (default: `evaluator`
-    alone). Returns (best record or None, evaluations in the database,
-    whether it stopped at `stop_after_s` with budget left)."""
+    alone); `simulated` marks the run as judged by a simulated evaluator before any evaluation.
+    Returns (best record or None, evaluations in the database, whether it stopped at
+    `stop_after_s` with budget left)."""
     with ProgramDB(db_path) as db:
         task = None
 
@@ -68,6 +70,8 @@ def evolve(db_path: Path, template: Template, evaluator: Any, shape: Any, world_
         search = Evolution(db, template, evaluator, shape, world_size, budget, config, rates=rates,
                            capabilities=capabilities, on_result=on_result, llm_models=llm_models,
                            llm_budget_usd=llm_budget_usd, hardware=hardware, pools=pools)
+        if simulated:
+            db.set_meta(simulated=True)
         if progress is not None:
             task = progress.add_task("starting", total=1000)
         best = search.run(stop_after_s)
