@@ -19,7 +19,8 @@ from commweave.contracts.result import EvalResult
 from commweave.evaluate.evaluator import job_failure
 from commweave.evaluate.floor import FLOOR_MARGIN, below_floor
 from commweave.evaluate.timing import (
-    INTERLEAVE_BLOCK, MAX_INPUT_SETS, input_sets_for, interleaved_schedule, per_iteration_max, summarize,
+    BATCH_TARGET_S, INTERLEAVE_BLOCK, MAX_BATCH_STRETCH, MAX_INPUT_SETS, batch_size, common_sizes, input_sets_for,
+    interleaved_schedule, per_iteration_max, summarize,
 )
 from commweave.contracts.verdict import merge_rank_verdicts
 from commweave.runtime.pool import JobResult, RankFailure, WorkerPool
@@ -415,3 +416,18 @@ def test_a_baseline_failing_only_beside_the_candidate_is_the_candidates_doing(be
     result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(), shape)
     assert result.fitness == 0.0 and result.verdict.failure == expected, result.verdict.message
     assert "'host'" in result.verdict.message and not pool.results
+
+
+def test_programs_of_a_benchmark_share_one_batch_size():
+    """Honest copies probed at 16 and 26 ms draw K = 2 and 1 on CPU; both are timed at 2, so each
+    pays the same crossing per call. A program too slow for the common K within the stretch keeps
+    the most that fits; none goes below its own K or above the capacity."""
+    per_call = {"reference": 0.016, "solution": 0.026}
+    sizes = {name: batch_size(t, 256, "cpu") for name, t in per_call.items()}
+    assert sizes == {"reference": 2, "solution": 1}
+    assert common_sizes(sizes, per_call, 256, "cpu") == {"reference": 2, "solution": 2}
+    fast, slow = 0.0001, 0.05  # 250 calls fill the target; the slow one may stretch to 8 x 25 ms
+    sizes = {"fast": batch_size(fast, 256, "cpu"), "slow": batch_size(slow, 256, "cpu")}
+    shared = common_sizes(sizes, {"fast": fast, "slow": slow}, 256, "cpu")
+    assert shared == {"fast": 250, "slow": round(MAX_BATCH_STRETCH * BATCH_TARGET_S["cpu"] / slow)}
+    assert common_sizes({"a": 3}, {}, 256, "cpu") == {"a": 3}  # a failed probe: its own K, not the capacity

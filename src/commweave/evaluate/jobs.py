@@ -41,7 +41,8 @@ from commweave.contracts.workload import Shape, Workload
 from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
 from commweave.evaluate.runner import WorkEscapedStream
 from commweave.evaluate.timing import (
-    BATCH_BYTES, BATCH_MEMORY_SHARE, PROBE_BATCHES, VERIFY_PER_BATCH, batch_capacity, batch_size, interleaved_schedule,
+    BATCH_BYTES, BATCH_MEMORY_SHARE, PROBE_BATCHES, VERIFY_PER_BATCH, batch_capacity, batch_size, common_sizes,
+    interleaved_schedule,
 )
 from commweave.runtime.candidate import (
     ProgramProcess, ProgramStartError, confinement, make_rendezvous, remove_rendezvous,
@@ -529,6 +530,7 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         if batch is not None:
             per_call[name] = batch.seconds / size[name]
         size[name] = _agreed_size(job, batch_size(per_call[name], capacity, device) if batch else size[name])
+    size = {name: _agreed_size(job, k) for name, k in common_sizes(size, per_call, capacity, device).items()}
     one_call = {name: [] for name in active}  # once warm: what a batch costs beyond its calls
     for name, _ in interleaved_schedule(list(active), PROBE_BATCHES):
         batch = _run_batch(wl, active[name], shape, 1, seeds, flush)

@@ -3,9 +3,10 @@
 The judge times a *batch*: K calls back to back, each on an input set of its own filled with fresh
 values and into an output of its own, between one start and one end on the judge's side, so the
 crossings between judge and program process (a request, an answer, IPC events; ~0.3-1 ms) land
-once per batch instead of once per call. K is chosen per program from probe batches so that a
-batch lasts at least `BATCH_TARGET_S`, bounded by memory (K input sets and outputs) and
-`MAX_BATCH`; a batch's per-call time is its time over K. A multi-GPU call is as slow as its
+once per batch instead of once per call. K is chosen from probe batches so that a batch lasts at
+least `BATCH_TARGET_S`, bounded by memory (K input sets and outputs) and `MAX_BATCH`, and is then
+the same for every program of a benchmark (`common_sizes`); a batch's per-call time is its time
+over K. A multi-GPU call is as slow as its
 slowest rank, so each batch's per-call time is the maximum over ranks, and a program's time is the
 median of those maxima (min and p90 are kept for spread). Programs' batches alternate in one job,
 the order of programs rotating every round, so clock and thermal drift fall on all of them alike.
@@ -28,6 +29,8 @@ INTERLEAVE_BLOCK = 1  # batches of one program in a row before the next program'
 BATCH_TARGET_S = {"cuda": 0.012, "cpu": 0.025}
 #: the most calls in a batch (on GPUs also what a program may queue behind the judge's hold)
 MAX_BATCH = {"cuda": 1024, "cpu": 256}
+#: how much longer than the target a slow program's batch may grow to hold its benchmark's common K
+MAX_BATCH_STRETCH = 8.0
 #: memory for one program's batch (K input sets and outputs, with the judge's staging on GPUs),
 #: at most this and at most `BATCH_MEMORY_SHARE` of what the device has free over the programs
 BATCH_BYTES = {"cuda": 8 << 30, "cpu": 256 << 20}
@@ -45,11 +48,22 @@ def batch_capacity(call_bytes: int, budget_bytes: int, device: str) -> int:
     return max(1, min(MAX_BATCH[device], budget_bytes // max(1, call_bytes)))
 
 
-def batch_size(per_call_s: float, capacity: int, device: str) -> int:
-    """Calls per batch so that a batch lasts `BATCH_TARGET_S` at `per_call_s`, within 1..capacity."""
+def batch_size(per_call_s: float, capacity: int, device: str, stretch: float = 1.0) -> int:
+    """Calls per batch so that a batch lasts `stretch` x `BATCH_TARGET_S` at `per_call_s`, within
+    1..capacity."""
     if not per_call_s > 0:
         return capacity
-    return max(1, min(capacity, math.ceil(BATCH_TARGET_S[device] / per_call_s)))
+    return max(1, min(capacity, math.ceil(stretch * BATCH_TARGET_S[device] / per_call_s)))
+
+
+def common_sizes(sizes: dict[str, int], per_call_s: dict[str, float], capacity: int, device: str) -> dict[str, int]:
+    """One K for the programs of a benchmark, the largest any of them drew: each then pays the same
+    crossing per call, so an honest copy cannot read faster for a K rounded up from a noisy probe
+    (ceil(25 ms / 16 ms) = 2 against ceil(25 ms / 26 ms) = 1 read 1.47x on CPU). A program whose
+    batches would then last over `MAX_BATCH_STRETCH` x the target keeps the most that fits that."""
+    common = max(sizes.values(), default=1)
+    return {name: max(size, min(common, batch_size(per_call_s.get(name, 0.0), capacity, device, MAX_BATCH_STRETCH)))
+            for name, size in sizes.items()}
 
 
 def input_sets_for(set_bytes: int) -> int:
