@@ -15,7 +15,8 @@ program (tests/toy_workload.py, float32) at 64^3 and 384^3. Per shape:
   median per-call time over `--batches` batches (K sized as the judge sizes it);
 - `judge_us`: the median the judge reports for the same program (`Evaluator.benchmark`), with
   the judge's resolution (`batch`: calls per timed batch; `crossing_us`: what a batch costs
-  beyond its calls);
+  beyond its calls; `subtracted_us`: what the judge took off every batch; `hold_expired`: timed
+  batches that started before they were queued);
 - `twice_fitness`: host time over the time of a program calling the host's run twice (true 0.5);
   `honest_fitness`: host time over an identical copy's (true 1.0), all three timed in one job.
 
@@ -154,6 +155,8 @@ def main() -> None:
                 "honest_fitness": host_us / timings["honest"].median_us,
                 "batch": {n: t.batch for n, t in timings.items()},
                 "crossing_us": {n: t.crossing_us for n, t in timings.items()},
+                "subtracted_us": timings["host"].subtracted_us,
+                "hold_expired": {n: t.hold_expired for n, t in timings.items()},
                 "verdicts": {n: t.verdict.ok for n, t in timings.items()},
             })
             print(f"{shape.label}: in-process {inproc_us:.1f} µs, judge {host_us:.1f} µs (x{host_us / inproc_us:.3f}), "

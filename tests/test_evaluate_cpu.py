@@ -187,6 +187,9 @@ def test_work_escaping_the_timed_region_is_suspect(evaluator):
     assert host.verdict.ok and len(host.per_iter_us) == evaluator.iters
     assert bench.input_sets == MAX_BATCH["cpu"]  # tiny inputs: room for the largest batch
     assert 1 <= host.batch <= MAX_BATCH["cpu"] and host.crossing_us >= 0  # the judge's resolution, recorded
+    # taken off every batch: the smallest program's crossing, which no program can raise for itself
+    assert 0 <= host.subtracted_us == escapes.subtracted_us <= min(host.crossing_us, escapes.crossing_us) + 1e-6
+    assert host.hold_expired == 0  # (a GPU hold; on CPU the program is stopped while the judge fills its inputs)
     assert_host_still_passes(evaluator)
 
 

@@ -20,7 +20,7 @@ from commweave.evaluate.evaluator import job_failure
 from commweave.evaluate.floor import FLOOR_MARGIN, below_floor
 from commweave.evaluate.timing import (
     BATCH_TARGET_S, INTERLEAVE_BLOCK, MAX_BATCH_STRETCH, MAX_INPUT_SETS, batch_size, common_sizes, input_sets_for,
-    interleaved_schedule, per_iteration_max, summarize,
+    interleaved_schedule, net_seconds, per_iteration_max, summarize,
 )
 from commweave.contracts.verdict import merge_rank_verdicts
 from commweave.runtime.pool import JobResult, RankFailure, WorkerPool
@@ -431,3 +431,11 @@ def test_programs_of_a_benchmark_share_one_batch_size():
     shared = common_sizes(sizes, {"fast": fast, "slow": slow}, 256, "cpu")
     assert shared == {"fast": 250, "slow": round(MAX_BATCH_STRETCH * BATCH_TARGET_S["cpu"] / slow)}
     assert common_sizes({"a": 3}, {}, 256, "cpu") == {"a": 3}  # a failed probe: its own K, not the capacity
+
+
+def test_the_crossing_comes_off_each_batch_never_more_than_half():
+    """A 1024-call batch of 10 µs calls with a 290 µs crossing reads 10 µs a call, not 10.28; a
+    crossing measured too large (noise) takes at most half a batch."""
+    assert net_seconds(1024 * 10e-6 + 290e-6, 290e-6) / 1024 == pytest.approx(10e-6)
+    assert net_seconds(1e-3, 5e-3) == 0.5e-3
+    assert net_seconds(1e-3, 0.0) == 1e-3

@@ -6,6 +6,7 @@ ParallelKernelBench checkout (tests/problems/pkb) in PKB's layout and calling co
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,22 @@ def test_arguments_travel_as_tensors_and_a_skeleton() -> None:
     assert flat.tolist() == [1.0, 2.0, 4.0, 3.0, 1.0]  # dicts by key, then the constant 1.0
     with pytest.raises(ValueError, match="a solution returns tensors"):
         flatten_result(("text",))
+
+
+def test_a_module_argument_packs_to_the_same_bytes_wherever_its_weights_live() -> None:
+    """PKB #31's nn.Linear arguments: torch pickles a storage by its address, so the same seed drawn
+    twice read as 'input args was modified' once two draws were alive at once."""
+    def draw() -> torch.nn.Linear:
+        torch.manual_seed(3)
+        return torch.nn.Linear(8, 4).to(torch.bfloat16)
+
+    first, second = draw(), draw()  # both alive: different storages
+    assert pickle.dumps(first) != pickle.dumps(second)  # what the judge must not compare
+    assert torch.equal(pack_skeleton(first, 1 << 14), pack_skeleton(second, 1 << 14))
+    back = unpack_skeleton(pack_skeleton((first, torch.zeros(0)), 1 << 14))
+    assert isinstance(back[0].weight, torch.nn.Parameter) and back[0].weight.requires_grad
+    assert torch.equal(back[0].weight, first.weight) and back[0].weight.dtype == torch.bfloat16
+    assert back[1].shape == (0,)
 
 
 def test_binding_recognises_known_patterns_and_says_why_not() -> None:

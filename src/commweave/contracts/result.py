@@ -31,6 +31,10 @@ class ProgramTiming:
     #: (request, answer, events; the largest over ranks), in microseconds
     batch: int | None = None
     crossing_us: float | None = None
+    #: what the judge took off each of this benchmark's batches: the smallest program's crossing
+    subtracted_us: float | None = None
+    #: GPUs: timed batches whose hold let go before the program had queued them (its CPU showed)
+    hold_expired: int | None = None
 
 
 @dataclass

@@ -206,6 +206,8 @@ class Evaluator:
         if all(name in r.batch for r in ranks):
             timing.batch = ranks[0].batch[name]
             timing.crossing_us = max(r.crossing[name] for r in ranks) * 1e6
+            timing.subtracted_us = ranks[0].subtracted * 1e6
+            timing.hold_expired = max(r.expired.get(name, 0) for r in ranks)
         if verdict.ok:
             timing.verdict = below_floor(timing.median_us * 1e-6, floor) or verdict
         return timing

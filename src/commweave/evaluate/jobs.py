@@ -42,7 +42,7 @@ from commweave.evaluate.checks import judge_output, modified_inputs, not_ready
 from commweave.evaluate.runner import WorkEscapedStream
 from commweave.evaluate.timing import (
     BATCH_BYTES, BATCH_MEMORY_SHARE, PROBE_BATCHES, VERIFY_PER_BATCH, batch_capacity, batch_size, common_sizes,
-    interleaved_schedule,
+    interleaved_schedule, net_seconds,
 )
 from commweave.runtime.candidate import (
     ProgramProcess, ProgramStartError, confinement, make_rendezvous, remove_rendezvous,
@@ -113,6 +113,7 @@ class _Job:
     def __init__(self, ctx: ProgramContext, budget_s: float):
         self.ctx = ctx
         self.group = _harness_group()
+        self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         folder = [tempfile.mkdtemp(prefix="cw_judge_") if ctx.rank == 0 else None]
         dist.broadcast_object_list(folder, src=0, group=self.group)
@@ -256,8 +257,10 @@ class _Program:
             self.fail(FailureClass.RUNTIME_ERROR, f"{what}: rank {self.ctx.rank}'s program process died "
                                                   f"(exit code {reply.value})")
         else:
-            self.fail(FailureClass.TIMEOUT, f"{what}: no answer within {time.monotonic() - began:.1f} s (deadlock or "
-                                            "endless loop); its processes were killed")
+            waited = time.monotonic() - began
+            self.fail(FailureClass.TIMEOUT, f"{what}: no answer within {waited:.1f} s, what was left of the job's "
+                                            f"{self.job.budget_s:.0f} s (deadlock, endless loop, or too slow for the "
+                                            "budget); its processes were killed")
         return None
 
     def harness(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -430,6 +433,9 @@ def _judge_run(wl: Workload, program: _Program, shape: Shape, seed: int, inputs:
 
 # -- benchmark ------------------------------------------------------------------------------------
 HOLD_S = 0.25  # GPUs: the longest the judge's stream waits for a batch to be queued behind its hold
+#: a batch whose queueing took this share of HOLD_S or more may have started before it was queued
+#: (a full launch queue blocks the program until the hold lets go): the warm-up halves K then
+HOLD_EXPIRED = 0.8
 
 
 @dataclass
@@ -446,6 +452,10 @@ class RankBench:
     #: seconds a batch costs beyond its calls (the judge's resolution): a one-call batch's time
     #: minus the per-call time of full batches, from the probe
     crossing: dict[str, float] = field(default_factory=dict)
+    #: seconds taken off every timed batch of every program: the smallest program's crossing
+    subtracted: float = 0.0
+    #: GPUs: timed batches a program had not finished queueing when the judge's hold let go
+    expired: dict[str, int] = field(default_factory=dict)
 
 
 def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
@@ -477,6 +487,7 @@ class _Batch:
     seeds: list[int]
     untouched: list[torch.Tensor | None]
     unready: int  # outputs with poison (or non-finite values) left when the timer stopped
+    expired: bool  # GPUs: the hold let go before the program had queued the batch (its CPU time shows)
 
 
 def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
@@ -521,6 +532,7 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
             one_call[name].append(batch.seconds)
     size = {name: _agreed_size(job, batch_size(min(t, default=0.0), capacity, device)) for name, t in one_call.items()}
     per_call: dict[str, float] = {}
+    queueable = capacity  # GPUs: the most calls every program queued before the hold let go
     for name, _ in interleaved_schedule(list(active), max(warmup, 2)):
         if not active[name].active:
             continue
@@ -529,8 +541,12 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
             continue
         if batch is not None:
             per_call[name] = batch.seconds / size[name]
-        size[name] = _agreed_size(job, batch_size(per_call[name], capacity, device) if batch else size[name])
-    size = {name: _agreed_size(job, k) for name, k in common_sizes(size, per_call, capacity, device).items()}
+        if _any_rank(job, batch is not None and batch.expired):
+            queueable = min(queueable, max(1, size[name] // 2))
+        size[name] = _agreed_size(job, min(queueable, batch_size(per_call[name], capacity, device) if batch
+                                           else size[name]))
+    size = {name: _agreed_size(job, min(k, queueable))
+            for name, k in common_sizes(size, per_call, capacity, device).items()}
     one_call = {name: [] for name in active}  # once warm: what a batch costs beyond its calls
     for name, _ in interleaved_schedule(list(active), PROBE_BATCHES):
         batch = _run_batch(wl, active[name], shape, 1, seeds, flush)
@@ -538,6 +554,7 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
             one_call[name].append(batch.seconds)
     crossing = _largest(job, {n: max(0.0, statistics.median(one_call[n]) - per_call[n])
                               if one_call[n] and n in per_call else 0.0 for n in active})
+    result.subtracted = min(crossing.values(), default=0.0)
     job.add("warmup", time.perf_counter() - began)
     began = time.perf_counter()
     unready = {name: 0 for name in active}
@@ -547,7 +564,8 @@ def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warm
         batch = _run_batch(wl, program, shape, size[name], seeds, flush)
         if batch is None:
             continue
-        result.times.setdefault(name, []).append(batch.seconds / size[name])
+        result.times.setdefault(name, []).append(net_seconds(batch.seconds, result.subtracted) / size[name])
+        result.expired[name] = result.expired.get(name, 0) + int(batch.expired)
         unready[name] += batch.unready
         t0 = time.perf_counter()
         picked = random.SystemRandom().sample(range(size[name]), min(VERIFY_PER_BATCH, size[name]))
@@ -593,7 +611,7 @@ def _run_batch(wl: Workload, program: _Program, shape: Shape, count: int, seeds:
     timed = _timed(program, count, masks, flush)
     if timed is None:
         return None
-    return _Batch(timed[0], drawn, masks, timed[1])
+    return _Batch(timed[0], drawn, masks, timed[1], timed[2])
 
 
 def _still_ok(program: _Program) -> bool:
@@ -633,6 +651,15 @@ def _agreed_size(job: _Job, size: int) -> int:
     smallest = torch.tensor([size], dtype=torch.int64)
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=job.group)
     return int(smallest.item())
+
+
+def _any_rank(job: _Job, flag: bool) -> bool:
+    """Collective: whether `flag` holds on any rank."""
+    if job.ctx.world_size == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=job.group)
+    return bool(value.item())
 
 
 def _largest(job: _Job, values: dict[str, float]) -> dict[str, float]:
@@ -689,9 +716,10 @@ def _unready(program: _Program, count: int, masks: list[torch.Tensor | None]) ->
 
 
 def _timed(program: _Program, count: int, masks: list[torch.Tensor | None],
-           flush: torch.Tensor | None) -> tuple[float, int] | None:
+           flush: torch.Tensor | None) -> tuple[float, int, bool] | None:
     """One batch of `count` calls (input sets already written on CPU, staged on GPUs) timed by the
-    judge: (seconds, outputs not ready when the timer stopped), or None when it failed.
+    judge: (seconds, outputs not ready when the timer stopped, whether the hold let go before the
+    program had queued the batch), or None when it failed.
     CPU: wall time from the request to the moment the answer arrived (the program is stopped then,
     before anything is read). GPUs: CUDA events on the judge's stream, held until the batch is
     queued (`hold_stream`); behind the hold the judge copies the staged values into the sets,
@@ -707,7 +735,7 @@ def _timed(program: _Program, count: int, masks: list[torch.Tensor | None],
         if not program.ok:
             return None
         seconds = program.proc.replied_at - began
-        return seconds, int(_unready(program, count, masks))
+        return seconds, int(_unready(program, count, masks)), False
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     release = ctx.hold_stream(timeout_s=HOLD_S)
     span = min(program.set_stride * count, program.input_span.numel())
@@ -718,7 +746,9 @@ def _timed(program: _Program, count: int, masks: list[torch.Tensor | None],
         ctx.device_barrier()
     start.record()
     program.go.record()
+    asked = time.perf_counter()
     program.call("run()", "batch", count, False)
+    expired = time.perf_counter() - asked >= HOLD_EXPIRED * HOLD_S
     if not program.ok:
         release()
         torch.cuda.synchronize(ctx.device)
@@ -732,7 +762,7 @@ def _timed(program: _Program, count: int, masks: list[torch.Tensor | None],
     program.call("the stream-order check", "settle")
     if not program.ok:
         return None
-    return seconds, int(unready)
+    return seconds, int(unready), expired
 
 
 # -- calibration ----------------------------------------------------------------------------------

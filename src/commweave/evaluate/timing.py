@@ -6,7 +6,7 @@ crossings between judge and program process (a request, an answer, IPC events; ~
 once per batch instead of once per call. K is chosen from probe batches so that a batch lasts at
 least `BATCH_TARGET_S`, bounded by memory (K input sets and outputs) and `MAX_BATCH`, and is then
 the same for every program of a benchmark (`common_sizes`); a batch's per-call time is its time
-over K. A multi-GPU call is as slow as its
+less the smallest program's crossing (measured per run), over K. A multi-GPU call is as slow as its
 slowest rank, so each batch's per-call time is the maximum over ranks, and a program's time is the
 median of those maxima (min and p90 are kept for spread). Programs' batches alternate in one job,
 the order of programs rotating every round, so clock and thermal drift fall on all of them alike.
@@ -64,6 +64,13 @@ def common_sizes(sizes: dict[str, int], per_call_s: dict[str, float], capacity: 
     common = max(sizes.values(), default=1)
     return {name: max(size, min(common, batch_size(per_call_s.get(name, 0.0), capacity, device, MAX_BATCH_STRETCH)))
             for name, size in sizes.items()}
+
+
+def net_seconds(batch_s: float, crossing_s: float) -> float:
+    """A batch's time less the crossing the judge takes off every batch of a benchmark (the smallest
+    program's, which no program can raise for itself: lowering its own only lowers everyone's);
+    never below half the batch, so a noisy crossing cannot turn a batch into nothing."""
+    return max(batch_s - crossing_s, 0.5 * batch_s)
 
 
 def input_sets_for(set_bytes: int) -> int:

@@ -10,7 +10,6 @@ the reference program in one job; the speedup is the reference's median over the
 
 from __future__ import annotations
 
-import pickle
 import re
 import secrets
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from commweave.evaluate import Evaluator
 from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
 from commweave.problems.service import ReferenceError
-from commweave.problems.values import HEADER
+from commweave.problems.values import HEADER, skeleton_bytes
 from commweave.problems.workload import Layout, ProblemWorkload, reference_workers, workload_for
 from commweave.runtime.pool import WorkerPool
 
@@ -64,7 +63,7 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int]:
     lengths, skeleton = [], 0
     for seed in (secrets.randbelow(1 << 30), secrets.randbelow(1 << 30)):
         _, packed = workers.request("inputs", seed, ctx.rank)
-        skeleton = max(skeleton, len(pickle.dumps(packed)))
+        skeleton = max(skeleton, len(skeleton_bytes(packed)))
         lengths.append(int(workers.request("reference", seed, ctx.rank).numel()))
     return lengths, skeleton
 

@@ -2,7 +2,8 @@
 
 A problem is judged against a solution file of the same name in a solutions folder, or against its
 own reference (a self-check of the judge: correct, speedup near 1). Rows carry the verdict, the
-times and the cause of a failure. Each judge keeps one problem's reference workers at a time.
+times and the cause of a failure. Each judge keeps one problem's reference workers at a time; a
+problem whose programs could not start is judged again on restarted judges.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from commweave.contracts.verdict import EvaluationError, InfrastructureError
 from commweave.problems.format import Problem
 from commweave.problems.judge import Unsupported, judge
+from commweave.runtime.candidate import NOT_STARTED
 from commweave.runtime.pool import WorkerPool
 
 SPEEDUP_BAND = (0.8, 1.25)  # a reference judged against itself should land here
@@ -63,22 +65,28 @@ def run_problems(problems: list[Problem], world_size: int, device: str, solution
             path = solution_for(problem, solutions)
             if path is None:
                 continue
-            try:
-                verdict = judge(pool, problem, path.read_text(), trials=trials, warmup=warmup, iters=iters)
-                cause = "ok" if verdict.ok else (verdict.failure or "").split(":")[0]
-                row = Row(problem.name, str(path), cause, verdict.ok, verdict.speedup, verdict.reference_us,
-                          verdict.solution_us, verdict.failure or "", 0.0)
-            except Unsupported as exc:
-                row = Row(problem.name, str(path), exc.cause, False, None, None, None, str(exc), 0.0)
-            except (EvaluationError, InfrastructureError) as exc:
-                row = Row(problem.name, str(path), "infrastructure", False, None, None, None,
-                          str(exc).splitlines()[0], 0.0)
+            row = _judged(pool, problem, path, trials, warmup, iters)
+            if NOT_STARTED in row.message:  # e.g. NCCL's init after many problems: fresh judges, once more
                 pool.restart()
+                row = _judged(pool, problem, path, trials, warmup, iters)
             row.seconds = time.monotonic() - began
             rows.append(row)
             if progress is not None:
                 progress(row)
     return rows
+
+
+def _judged(pool: WorkerPool, problem: Problem, path: Path, trials: int, warmup: int, iters: int) -> Row:
+    try:
+        verdict = judge(pool, problem, path.read_text(), trials=trials, warmup=warmup, iters=iters)
+        cause = "ok" if verdict.ok else (verdict.failure or "").split(":")[0]
+        return Row(problem.name, str(path), cause, verdict.ok, verdict.speedup, verdict.reference_us,
+                   verdict.solution_us, verdict.failure or "", 0.0)
+    except Unsupported as exc:
+        return Row(problem.name, str(path), exc.cause, False, None, None, None, str(exc), 0.0)
+    except (EvaluationError, InfrastructureError) as exc:
+        pool.restart()
+        return Row(problem.name, str(path), "infrastructure", False, None, None, None, str(exc).splitlines()[0], 0.0)
 
 
 def summary(rows: list[Row]) -> dict[str, Any]:

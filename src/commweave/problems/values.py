@@ -5,13 +5,16 @@ scalars, split-size lists, process groups). The judge shares only tensors with a
 so `flatten_args` splits the tuple into its tensors (named `t0`, `t1`, ... in depth-first order)
 and a *skeleton*: the structure with each tensor and process group replaced by a marker, pickled
 into a fixed-size uint8 tensor `args` that travels like any other input. `rebuild_args` puts them
-back together in the program process. A result (tensor, tuple, dict, scalars) becomes one float32
+back together in the program process. Tensors left inside other objects (an nn.Linear's weights)
+are pickled by their values, not as torch pickles them (by storage address): the judge compares
+an `args` it filled with one it draws again from the same seed, byte for byte. A result (tensor, tuple, dict, scalars) becomes one float32
 vector (`flatten_result`), each leaf's elements in order, then a constant 1.0 that keeps the
 relative error of a near-zero result absolute instead of undefined.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,9 +64,37 @@ def flatten_args(args: tuple, group_index: Callable[[Any], int | None]) -> tuple
     return tensors, walk(tuple(args))
 
 
+def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...], device: str, parameter: bool,
+                       requires_grad: bool) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    tensor = raw.view(getattr(torch, dtype)).reshape(shape).to(device)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+class _ValuePickler(pickle.Pickler):
+    """A pickler that writes a tensor as its dtype, shape, device and bytes: equal values, equal pickles."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        flat = obj.detach().cpu().contiguous().reshape(-1)
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        return _tensor_from_bytes, (data, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), str(obj.device),
+                                    isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad))
+
+
+def skeleton_bytes(skeleton: Any) -> bytes:
+    """The skeleton pickled, the same bytes for the same values wherever its tensors live."""
+    buffer = io.BytesIO()
+    _ValuePickler(buffer).dump(skeleton)
+    return buffer.getvalue()
+
+
 def pack_skeleton(skeleton: Any, capacity: int) -> torch.Tensor:
     """The skeleton pickled into a uint8 tensor of `capacity` bytes (length first)."""
-    data = pickle.dumps(skeleton)
+    data = skeleton_bytes(skeleton)
     if HEADER + len(data) > capacity:
         raise ValueError(f"the problem's non-tensor arguments take {len(data)} bytes pickled, more than the "
                          f"{capacity - HEADER} the first inputs left room for")

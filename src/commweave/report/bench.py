@@ -87,7 +87,12 @@ def notes(report: BenchReport) -> list[str]:
             worst = max(t.crossing_us or 0.0 for t in sized.values())
             lines.append(f"{row.shape}: the judge's resolution: calls a batch " + ", ".join(f"{n} {t.batch}" for n, t in
                          sized.items()) + f"; a batch's crossings cost at most {worst:,.0f} µs "
-                         f"({worst / min(t.batch for t in sized.values()):,.2f} µs a call at the smallest batch)")
+                         f"({worst / min(t.batch for t in sized.values()):,.2f} µs a call at the smallest batch), "
+                         f"{max(t.subtracted_us or 0.0 for t in sized.values()):,.0f} µs of it taken off every batch")
+            late = {n: t.hold_expired for n, t in sized.items() if t.hold_expired}
+            if late:
+                lines.append(f"{row.shape}: batches that started before they were queued (the program's CPU time "
+                             "shows): " + ", ".join(f"{n} {k}" for n, k in late.items()))
     for row in report.rows:
         held = row.memory_bytes()
         if held:

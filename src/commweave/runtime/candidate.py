@@ -38,6 +38,7 @@ from commweave.runtime.wire import MAX_JUDGE_FRAME, MAX_PROGRAM_FRAME, Channel, 
 ZYGOTE_START_S = 120.0  # an interpreter importing torch on a loaded machine
 MESSAGE_CHARS = 16 << 10  # what of an exception's message crosses the wire (program side cuts it)
 TRACEBACK_CHARS = 256 << 10
+NOT_STARTED = "a program process did not start"  # how a failed start reads in a verdict
 
 
 class ProgramStartError(RuntimeError):
@@ -361,7 +362,7 @@ class ProgramProcess:
         what = (failed[0] if failed else {"ok": "it sent something else than 'ready'", "invalid": reply.message,
                                           "died": f"it died (exit code {reply.value})",
                                           "timeout": "no answer in time"}[reply.status])
-        raise ProgramStartError(f"a program process did not start: {what}")
+        raise ProgramStartError(f"{NOT_STARTED}: {what}")
 
     def wait(self, deadline: float, abort: Callable[[], bool]) -> Reply:
         """The next message (a JSON object), unless the process dies, sends a frame that breaks
