@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from commweave.agents.problem_binding import Binding, Unbound, bind_trace
 from commweave.cli import app
 from commweave.problems.format import ProblemError, load_problem, problems_in
-from commweave.problems.judge import judge, probe
+from commweave.problems.judge import VARYING, Unsupported, judge, probe
 from commweave.problems.values import (
     GroupLeaf, flatten_args, flatten_result, pack_skeleton, rebuild_args, unpack_skeleton,
 )
@@ -120,6 +120,25 @@ def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
         assert not verdict.ok and verdict.failure.startswith("wrong_result"), (name, verdict)
     slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), layout=layout)
     assert slow.ok and slow.speedup < 0.8, slow
+
+
+def test_inputs_whose_shape_varies_with_the_seed_are_named_in_one_line(pool: WorkerPool, tmp_path: Path) -> None:
+    """2 CPU ranks: PKB #70 draws a values tensor as long as the sum of random lengths; the judge's
+    buffers have one size per tensor, so the probe says which tensor varies instead of a run failing."""
+    varying = tmp_path / "ragged_sum.py"
+    varying.write_text(
+        "import torch\nimport torch.distributed as dist\n\n\n"
+        "def make_inputs(rank, world_size, seed, device):\n"
+        "    gen = torch.Generator().manual_seed(seed * 7 + rank)\n"
+        "    n = int(torch.randint(5, 5000, (1,), generator=gen))\n"
+        "    return (torch.ones(4), torch.randn(n, generator=gen).to(device))\n\n\n"
+        "def solution(scale, values):\n"
+        "    total = values.sum().reshape(1) * scale\n"
+        "    dist.all_reduce(total)\n"
+        "    return total\n")
+    with pytest.raises(Unsupported, match=r"input tensor t1 \(\d+,\) / \(\d+,\) changes shape with the seed") as caught:
+        probe(pool, load_problem(varying))
+    assert caught.value.cause == VARYING
 
 
 def test_pkb_layout_with_a_group_and_a_scalar_through_the_cli() -> None:

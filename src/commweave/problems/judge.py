@@ -30,8 +30,8 @@ ARGS_ROOM = 4096  # bytes the skeleton may grow past its probe's (a split-size l
 
 
 class Unsupported(RuntimeError):
-    """The problem cannot be judged here (`cause`: 'needs CUDA', 'needs other ranks', 'reference
-    fails'): one line why."""
+    """The problem cannot be judged here (`cause`: 'needs CUDA', 'needs other ranks', 'inputs vary
+    in shape', 'reference fails'): one line why."""
 
     def __init__(self, cause: str, message: str):
         super().__init__(f"{cause}: {message}")
@@ -57,15 +57,22 @@ class Verdict:
                 "solution_us": self.solution_us, "trials": self.trials, "world_size": self.world_size}
 
 
-def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int]:
-    """Judge job: this rank's result length on two fresh seeds and its skeleton's pickled bytes."""
+def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, list[str]]:
+    """Judge job: this rank's result length on two fresh seeds, its skeleton's pickled bytes, and
+    the input tensors whose shape differs between the two seeds."""
     workers = reference_workers(Problem.from_json(problem), ctx.world_size, ctx.device.type)
-    lengths, skeleton = [], 0
+    lengths, skeleton, shapes = [], 0, []
     for seed in (secrets.randbelow(1 << 30), secrets.randbelow(1 << 30)):
-        _, packed = workers.request("inputs", seed, ctx.rank)
+        tensors, packed = workers.request("inputs", seed, ctx.rank)
+        shapes.append({name: tuple(t.shape) for name, t in tensors.items()})
         skeleton = max(skeleton, len(skeleton_bytes(packed)))
         lengths.append(int(workers.request("reference", seed, ctx.rank).numel()))
-    return lengths, skeleton
+    varying = [f"{name} {shapes[0][name]} / {shapes[1].get(name)}" for name in shapes[0]
+               if shapes[0][name] != shapes[1].get(name)]
+    return lengths, skeleton, varying
+
+
+VARYING = "inputs vary in shape"  # a problem whose input tensors change shape with the seed
 
 
 def _cause(message: str, device: str) -> str:
@@ -90,6 +97,10 @@ def probe(pool: WorkerPool, problem: Problem) -> Layout:
         if cause and cause[1].error_type not in (ReferenceError.__name__, "timeout"):
             raise EvaluationError(f"the judges could not probe problem {problem.name}: {cause[1].error_type}: {message}")
         raise Unsupported(_cause(message, pool.device), message.splitlines()[0] if message else "no message")
+    varying = next(((rank, value[2]) for rank, value in enumerate(result.values) if value[2]), None)
+    if varying is not None:
+        raise Unsupported(VARYING, f"rank {varying[0]}'s input tensor {varying[1][0]} changes shape with the seed; "
+                                   "the judge shares inputs in buffers of one size per tensor")
     lengths = [value[0] for value in result.values]
     fixed = all(len(set(ls)) == 1 for ls in lengths)
     out = tuple(ls[0] if fixed else 2 * max(ls) for ls in lengths)
