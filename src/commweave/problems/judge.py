@@ -27,6 +27,7 @@ from commweave.runtime.pool import WorkerPool
 
 PROBE_JOB = "commweave.problems.judge:probe_rank"
 ARGS_ROOM = 4096  # bytes the skeleton may grow past its probe's (a split-size list of other values)
+VARYING = "inputs vary in shape"  # the cause of a problem whose input tensors change shape with the seed
 
 
 class Unsupported(RuntimeError):
@@ -70,9 +71,6 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, list[
     varying = [f"{name} {shapes[0][name]} / {shapes[1].get(name)}" for name in shapes[0]
                if shapes[0][name] != shapes[1].get(name)]
     return lengths, skeleton, varying
-
-
-VARYING = "inputs vary in shape"  # a problem whose input tensors change shape with the seed
 
 
 def _cause(message: str, device: str) -> str:

@@ -7,9 +7,10 @@ and a *skeleton*: the structure with each tensor and process group replaced by a
 into a fixed-size uint8 tensor `args` that travels like any other input. `rebuild_args` puts them
 back together in the program process. Tensors left inside other objects (an nn.Linear's weights)
 are pickled by their values, not as torch pickles them (by storage address): the judge compares
-an `args` it filled with one it draws again from the same seed, byte for byte. A result (tensor, tuple, dict, scalars) becomes one float32
-vector (`flatten_result`), each leaf's elements in order, then a constant 1.0 that keeps the
-relative error of a near-zero result absolute instead of undefined.
+an `args` it filled with one it draws again from the same seed, byte for byte. A result (tensor,
+tuple, dict, scalars) becomes one float32 vector (`flatten_result`), each leaf's elements in
+order, then a constant 1.0 that keeps the relative error of a near-zero result absolute instead
+of undefined.
 """
 
 from __future__ import annotations
