@@ -107,6 +107,35 @@ def pool():
         yield p
 
 
+def test_a_solution_that_makes_its_groups_on_every_call_gets_the_first_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 CPU rank (gloo): dist.new_group(ranks) inside a solution returns the group first made for
+    those ranks (PKB #48 makes two per call: with NCCL a few hundred calls exhausted the GPU), and
+    the input maker's groups come from the same place; with options it is made anew."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from commweave.problems.program import Bound
+
+    monkeypatch.setattr(dist, "new_group", dist.new_group)  # restored after the test
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Bound's copy of the source
+    source = ("import torch\nimport torch.distributed as dist\n"
+              "def solution(x):\n"
+              "    a, b = dist.new_group([0]), dist.new_group([0])\n"
+              "    return torch.stack([x.sum(), torch.tensor(float(a is b))])\n")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        bound = Bound(source, ctx=None)
+        first = bound.solution(torch.ones(3))
+        again = bound.solution(torch.ones(3))
+        assert first.tolist() == [3.0, 1.0] and again.tolist() == [3.0, 1.0]
+        assert len(bound.groups) == 1 and bound._group([(0,)], 0) is bound.groups[(0,)]
+        assert dist.new_group([0], timeout=None) is not bound.groups[(0,)]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
     """2 CPU ranks (gloo). The reference against itself is correct at about 1x; a wrong solution and
     one returning another trial's output fail; one doing the work twice is correct and slower."""

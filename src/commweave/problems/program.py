@@ -6,7 +6,10 @@ input buffers (values.py: the tensors, the skeleton, the process groups the inpu
 created again in this process's own group in the same order), calls `solution` on copies of the
 tensors (a reference may update its inputs in place; the judge forbids changing the buffers),
 and writes the flattened result into `out`. The copies and the skeleton read are in every
-program's time alike. `Bound` runs only in program processes, beside the solution it calls.
+program's time alike. A plain `dist.new_group(ranks)` made inside a solution returns the group
+first made for those ranks: group creation is a program's setup, and a reference that makes its
+groups on every call (PKB #48) would otherwise time communicator set-ups and, with NCCL, exhaust
+the GPU after a few hundred calls. `Bound` runs only in program processes, beside the solution.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class Bound:
     """A solution loaded in a program process, and the process groups its arguments name."""
 
     def __init__(self, source: str, ctx: Any):
+        import torch.distributed as dist
+
+        self.groups: dict[tuple[int, ...] | None, Any] = {}
+        self._make_group = dist.new_group
+        dist.new_group = self._new_group  # this process runs one solution: its groups are ours to keep
         name = f"commweave_solution_{abs(hash(source))}"
         fd, path = tempfile.mkstemp(prefix="solution_", suffix=".py")  # TorchScript reads a function's source
         with os.fdopen(fd, "w") as f:
@@ -59,7 +67,15 @@ class Bound:
             raise ValueError("the solution file defines no solution()")
         self.solution = module.solution
         self.ctx = ctx
-        self.groups: dict[tuple[int, ...] | None, Any] = {}
+
+    def _new_group(self, ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """dist.new_group, made once per rank list when called with the ranks alone."""
+        if args or kwargs:
+            return self._make_group(ranks, *args, **kwargs)
+        key = tuple(int(r) for r in ranks) if ranks is not None else None
+        if key not in self.groups:
+            self.groups[key] = self._make_group(ranks)
+        return self.groups[key]
 
     def _group(self, order: list[tuple[int, ...] | None], index: int | None) -> Any:
         """The group of the input maker's `index`: all of `order` are made (collectively, in order)
@@ -67,8 +83,7 @@ class Bound:
         import torch.distributed as dist
 
         for key in order:
-            if key not in self.groups:
-                self.groups[key] = dist.new_group(list(key) if key is not None else None)
+            self._new_group(list(key) if key is not None else None)
         return dist.group.WORLD if index is None else self.groups[order[index]]
 
     def run(self, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> None:
