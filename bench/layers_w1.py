@@ -15,9 +15,9 @@ share: parameter gradients reset to None first, as `zero_grad()` does) of:
 - `commweave.nn.ContextParallelAttention` (S = 8192, 32 query heads, 8 KV heads, D = 128, B = 1,
   full and causal, [B, S, H, D]) against SDPA's flash backend (goal: <= 1.10x), where the module
   exists in this tree (else reported as not present).
-Times are medians of CUDA-event times (`runtime.timers.cuda_median_us`: every call queued behind a
+Times are medians of CUDA-event times (`runtime.timers.cuda_call_us`: every call queued behind a
 ~1 ms spin kernel, so the time is the GPU's), `--rounds` rounds of `--iters` calls with the variants
-interleaved (the median of the rounds kept), inputs rotated over enough sets to exceed twice the
+interleaved call by call in rotating order (the median of the rounds kept), inputs rotated over enough sets to exceed twice the
 L2. "loop_us" is the same step run back to back without the hold (host launch costs included when
 the host is the slower side).
 
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from commweave.evaluate.timing import input_sets_for
 from commweave.report.results import write_results
-from commweave.runtime.timers import cuda_median_us
+from commweave.runtime.timers import cuda_call_us
 
 MLP_SHAPES = ((4096, 8192, 28672), (1024, 4096, 14336))
 MOE_SHAPE = dict(T=4096, H=7168, I=2048, E=64, K=8)
@@ -62,15 +62,28 @@ def loop_us(fn: Step, iters: int) -> float:
 
 
 def time_variants(variants: dict[str, dict[str, Step]], iters: int, rounds: int) -> dict[str, dict[str, float]]:
-    """{variant: {"forward_us", "train_us", "loop_us"}}: medians over `rounds` rounds, each round
-    timing every variant's steps in turn (interleaved, so drift hits all alike)."""
+    """{variant: {"forward_us", "train_us", "loop_us"}}: per kind, the median over `rounds` rounds
+    of each round's median; within a round every call of one variant is followed by one of each
+    other, the order rotating call by call, so the GPU's clock and power state (they drift by
+    several % over a run of large GEMMs) fall on every variant alike."""
+    names = list(variants)
     samples: dict[str, dict[str, list[float]]] = {v: {"forward_us": [], "train_us": [], "loop_us": []} for v in variants}
-    for _ in range(rounds):
-        for name, steps in variants.items():
-            counter = iter(range(1 << 30))
-            for kind, fn in (("forward_us", steps["forward"]), ("train_us", steps["train"])):
-                samples[name][kind].append(cuda_median_us(lambda: fn(next(counter)), iters))
-            samples[name]["loop_us"].append(loop_us(steps["train"], iters))
+    counters = {name: iter(range(1 << 30)) for name in names}
+    for name in names:  # warm-up: every kernel loaded, every workspace allocated
+        for kind in ("forward", "train"):
+            for _ in range(3):
+                variants[name][kind](next(counters[name]))
+    for round_index in range(rounds):
+        for kind in ("forward", "train"):
+            calls: dict[str, list[float]] = {name: [] for name in names}
+            for i in range(iters):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    fn = variants[name][kind]
+                    calls[name].append(cuda_call_us(lambda: fn(next(counters[name]))))
+            for name in names:
+                samples[name][f"{kind}_us"].append(statistics.median(calls[name]))
+        for name in names[::-1] if round_index % 2 else names:
+            samples[name]["loop_us"].append(loop_us(variants[name]["train"], iters))
     return {v: {k: statistics.median(s) for k, s in kinds.items()} for v, kinds in samples.items()}
 
 

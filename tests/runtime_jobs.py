@@ -35,3 +35,15 @@ def exit_on_rank0(ctx) -> None:
 def torch_mm_is_pristine(ctx) -> bool:
     """Whether this judge's torch.mm is still torch's own (no program code ran here)."""
     return torch.mm is torch._C._VariableFunctions.mm
+
+
+def allocate_and_drop(ctx, nbytes: int) -> int:
+    """GPUs: allocate `nbytes` on the device, use them, drop them; what torch's allocator reserves."""
+    block = torch.ones(nbytes, dtype=torch.uint8, device=ctx.device)
+    del block
+    return torch.cuda.memory_reserved(ctx.device)
+
+
+def reserved_bytes(ctx) -> int:
+    """GPUs: what torch's caching allocator of this judge reserves right now."""
+    return torch.cuda.memory_reserved(ctx.device)

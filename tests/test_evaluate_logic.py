@@ -406,6 +406,9 @@ def _bench_job(verdicts: dict[str, Verdict]) -> JobResult:
 @pytest.mark.parametrize("beside, alone, expected", [
     (Verdict.failed(FailureClass.NAN, "output has 3 NaN"), Verdict.passed(), FailureClass.TAMPERING),
     (Verdict.failed(FailureClass.TIMEOUT, "run(): no answer within 8.0 s"), None, FailureClass.TIMEOUT),
+    # a full device is no evidence of intent (PKB #59 beside a judge that held 65 GB): a runtime error
+    (Verdict.failed(FailureClass.RUNTIME_ERROR, "run() raised OutOfMemoryError: CUDA out of memory. Tried to "
+                    "allocate 128.00 MiB"), Verdict.passed(), FailureClass.RUNTIME_ERROR),
 ])
 def test_a_baseline_failing_only_beside_the_candidate_is_the_candidates_doing(beside, alone, expected):
     shape = ToyGatherMatmul().make_shape(4, 4, 4)
@@ -439,3 +442,14 @@ def test_the_crossing_comes_off_each_batch_never_more_than_half():
     assert net_seconds(1024 * 10e-6 + 290e-6, 290e-6) / 1024 == pytest.approx(10e-6)
     assert net_seconds(1e-3, 5e-3) == 0.5e-3
     assert net_seconds(1e-3, 0.0) == 1e-3
+
+
+def test_the_stream_order_check_samples_every_output_within_its_bytes():
+    from commweave.evaluate.runner import SAMPLES_PER_OUTPUT, sample_offsets
+
+    offsets = sample_offsets(5, 1 << 20, 3 << 18, torch.device("cpu")).view(5, SAMPLES_PER_OUTPUT)
+    begins = torch.arange(5).unsqueeze(1) * (1 << 20)
+    assert bool(((offsets >= begins) & (offsets < begins + (3 << 18))).all())
+    assert len(set(offsets[0].tolist())) > SAMPLES_PER_OUTPUT * 0.9  # spread over the output, not one spot
+    small = sample_offsets(2, 256, 10, torch.device("cpu")).view(2, SAMPLES_PER_OUTPUT)
+    assert set(small[0].tolist()) == set(range(10)) and set(small[1].tolist()) == set(range(256, 266))

@@ -67,3 +67,17 @@ def test_hold_stream_waits_for_release_or_its_timeout(pool):
     for v in result.values:
         assert v["held"] and v["released"], v
         assert v["timeout_s"] < 1.0, v
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")
+def test_a_judge_gives_a_finished_jobs_memory_back_to_the_device():
+    """1 GPU. A judge that cached what its largest job used would leave the next programs (their
+    own processes) without it: PKB problems ran out of memory beside a judge holding 60 GB."""
+    from worker_env import worker_env
+
+    with WorkerPool(1, device="cuda", job_timeout_s=120, env=worker_env()) as one:
+        held = one.run("runtime_jobs:allocate_and_drop", nbytes=4 << 30)
+        after = one.run("runtime_jobs:reserved_bytes")
+    assert held.ok and after.ok, (held.first_failure(), after.first_failure())
+    assert held.values[0] >= 4 << 30  # torch kept the dropped block cached inside the job
+    assert after.values[0] < 1 << 30, f"{after.values[0] / 2**30:.1f} GiB still reserved after the job"

@@ -24,7 +24,7 @@ from commweave.contracts.verdict import (
 )
 from commweave.runtime.compile import CompileError, compile_cubin
 from commweave.runtime.toolchain import ToolchainError
-from commweave.runtime.pool import JobResult, WorkerPool
+from commweave.runtime.pool import JobResult, WorkerPool, is_out_of_memory
 from commweave.contracts.workload import Shape, Workload
 
 CHECK_JOB = "commweave.evaluate.jobs:check_program"
@@ -244,9 +244,12 @@ class Evaluator:
             cleared = [n for n in sabotaged if alone.programs[n].verdict.ok]
             if cleared:
                 n = cleared[0]
-                blame = Verdict.failed(FailureClass.TAMPERING, f"baseline {n!r} failed beside it "
-                                       f"({bench.programs[n].verdict.failure}: {bench.programs[n].verdict.message}) "
-                                       "and passes alone")
+                why = f"({bench.programs[n].verdict.failure}: {bench.programs[n].verdict.message})"
+                if is_out_of_memory(bench.programs[n].verdict.message):  # the device was full: no evidence of intent
+                    blame = Verdict.failed(FailureClass.RUNTIME_ERROR, f"the device ran out of memory with it beside "
+                                           f"the baselines: baseline {n!r} failed beside it {why} and passes alone")
+                else:
+                    blame = Verdict.failed(FailureClass.TAMPERING, f"baseline {n!r} failed beside it {why} and passes alone")
                 candidate = ProgramTiming(CANDIDATE, blame)
         baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines}
         if not candidate.verdict.ok:

@@ -625,18 +625,17 @@ def _still_ok(program: _Program) -> bool:
 
 
 def _batch_capacity(job: _Job, wl: Workload, shape: Shape, probe: dict[str, torch.Tensor] | None, programs: int) -> int:
-    """Calls a batch has room for, the same on every rank: a call's inputs and output (twice on
-    GPUs: the judge's staging copy and the program's stream-order snapshot) within the memory
-    budget of one program."""
+    """Calls a batch has room for, the same on every rank: a call's inputs (twice on GPUs: the
+    judge's staging copy) and output within the memory budget of one program."""
     ctx = job.ctx
     device = ctx.device.type
     capacity = 1
     if probe is not None:
         like = wl.make_output(shape, ctx.world_size, ctx.rank, torch.device("meta"))
-        call = sum(t.numel() * t.element_size() for t in probe.values()) + like.numel() * like.element_size()
+        inputs = sum(t.numel() * t.element_size() for t in probe.values())
+        call = (2 * inputs if ctx.is_cuda else inputs) + like.numel() * like.element_size()
         budget = BATCH_BYTES[device]
         if ctx.is_cuda:
-            call *= 2
             budget = min(budget, int(BATCH_MEMORY_SHARE * torch.cuda.mem_get_info(ctx.device)[0] / max(1, programs)))
         capacity = batch_capacity(call, budget, device)
     count = torch.tensor([capacity])

@@ -35,6 +35,22 @@ def held_bytes(ctx: ProgramContext) -> int:
     return torch.cuda.memory_allocated(ctx.device) + ctx.symmetric_bytes_in_use()
 
 
+#: bytes of each output the stream-order check samples: a late write to more than ~1 % of an output
+#: is caught almost surely (0.99 ** 1024 < 1e-4), at a cost independent of the output's size
+SAMPLES_PER_OUTPUT = 1024
+
+
+def sample_offsets(outputs: int, stride: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Offsets into the outputs' bytes (output i at i * stride, `nbytes` long): SAMPLES_PER_OUTPUT
+    per output, drawn at random once, output by output; an output of fewer bytes is sampled whole
+    (with repeats)."""
+    if nbytes <= SAMPLES_PER_OUTPUT:
+        within = torch.arange(SAMPLES_PER_OUTPUT, device=device).remainder(max(1, nbytes)).expand(outputs, -1)
+    else:
+        within = torch.randint(0, nbytes, (outputs, SAMPLES_PER_OUTPUT), device=device)
+    return (within + torch.arange(outputs, device=device).unsqueeze(1) * stride).reshape(-1)
+
+
 class WorkEscapedStream(RuntimeError):
     """The program's output changed after its current stream's work ended (judged `suspect`)."""
 
@@ -50,11 +66,12 @@ class _Served:
         self.outs: list[torch.Tensor] = []
         self.out_bytes: torch.Tensor | None = None  # GPUs: every output's bytes, one view of the block
         self.out_stride = 0  # bytes from one output to the next in out_bytes
-        self.written = 0  # bytes of out_bytes the last batch wrote (the stream-order check's span)
+        self.written = 0  # samples the last batch's stream-order check compares
         self.symmetric: torch.Tensor | None = None  # the output window a symmetric-output workload gets
         self.go: Any = None
         self.done: Any = None
-        self.snapshot: torch.Tensor | None = None  # the outputs as the current stream left them (GPUs)
+        self.samples: torch.Tensor | None = None  # GPUs: per output, byte offsets into out_bytes the check samples
+        self.snapshot: torch.Tensor | None = None  # GPUs: those bytes as the current stream left them
         self._keep: Any = None
 
     def load(self, text: str, name: str) -> str | None:
@@ -94,7 +111,9 @@ class _Served:
         begin = first.data_ptr() - base
         self.out_bytes = self._keep[begin:last.data_ptr() - base + last.numel() * last.element_size()]
         self.out_stride = self.out_bytes.numel() if len(self.outs) == 1 else self.outs[1].data_ptr() - first.data_ptr()
-        self.snapshot = torch.empty_like(self.out_bytes)
+        self.samples = sample_offsets(len(self.outs), self.out_stride, first.numel() * first.element_size(),
+                                      self.ctx.device)
+        self.snapshot = torch.empty(self.samples.numel(), dtype=torch.uint8, device=self.ctx.device)
         self.go = torch.cuda.Event.from_ipc_handle(self.ctx.device, go_handle)
         self.done = torch.cuda.Event(interprocess=True)
         return self.done.ipc_handle()
@@ -102,8 +121,9 @@ class _Served:
     def batch(self, count: int, settle: bool) -> None:
         """`count` calls back to back, call i on input set i into output i. On GPUs the stream
         first waits for the judge's 'go' event, records 'done' after the last call (and its copy
-        out of a symmetric output), then queues a copy of the outputs as that stream left them;
-        `settle` checks it at once (else the judge asks for it after its timer stopped)."""
+        out of a symmetric output), then queues a copy of sampled bytes of the outputs as that
+        stream left them (`sample_offsets`); `settle` checks it at once (else the judge asks for
+        it after its timer stopped)."""
         if not 1 <= count <= len(self.inputs):
             raise ValueError(f"a batch of {count} calls on {len(self.inputs)} input sets")
         if self.ctx.is_cuda:
@@ -117,21 +137,21 @@ class _Served:
                 self.outs[i].copy_(self.symmetric)
         if self.ctx.is_cuda:
             self.done.record()
-            self.written = min(count * self.out_stride, self.out_bytes.numel())
-            self.snapshot[:self.written].copy_(self.out_bytes[:self.written])
+            self.written = count * SAMPLES_PER_OUTPUT
+            torch.take(self.out_bytes, self.samples[:self.written], out=self.snapshot[:self.written])
             if settle:
                 self.settle()
 
     def settle(self) -> None:
-        """The outputs as the current stream's work left them (the copy queued after 'done') must
-        be the outputs once every stream is idle: a write that lands later (side-stream work not
+        """The outputs as the current stream's work left them (the sampled copy queued after
+        'done') must be the outputs once every stream is idle: a write that lands later (side-stream work not
         joined back before run() returned) escaped the judge's timed region. (One GPU time-slices
         the judge's and this process's contexts, so the judge's own check right after 'done' may
         only see the late write already landed.)"""
         if not self.ctx.is_cuda:
             return
         torch.cuda.synchronize(self.ctx.device)
-        if not torch.equal(self.snapshot[:self.written], self.out_bytes[:self.written]):
+        if not torch.equal(self.snapshot[:self.written], torch.take(self.out_bytes, self.samples[:self.written])):
             raise WorkEscapedStream("its output changed after run() returned and its work on the current stream "
                                     "ended: work left on a side stream escapes the timed region (join side "
                                     "streams back before returning)")

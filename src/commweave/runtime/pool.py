@@ -15,6 +15,7 @@ pool's own process leaves the one folder.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -25,9 +26,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from commweave.runtime.confine import apply_safe_env, die_with_parent, remove_tree
+
+if TYPE_CHECKING:
+    from commweave.contracts.context import ProgramContext
 
 # Errors after which a CUDA context is unusable: the worker must die and be replaced.
 STICKY_CUDA_ERRORS = (
@@ -41,6 +45,11 @@ ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report b
 def is_sticky_cuda_error(message: str) -> bool:
     low = message.lower()
     return any(s.lower() in low for s in STICKY_CUDA_ERRORS)
+
+
+def is_out_of_memory(message: str) -> bool:
+    """Whether an error message says a device (or host) allocation failed."""
+    return "OutOfMemoryError" in message or "out of memory" in message.lower()
 
 
 @dataclass
@@ -142,6 +151,20 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
     return RankContext.from_process_group(device)
 
 
+def release_cached_memory(ctx: ProgramContext) -> None:
+    """GPUs: give what a finished job's tensors left in torch's caching allocator (its staging,
+    the blocks it shared with program processes) back to the device, so the next job, its program
+    processes and anything else on the GPU can have it; a judge otherwise keeps the largest job's
+    memory for its whole life (PKB problems ran out of memory beside a judge holding 60 GB)."""
+    if not ctx.is_cuda:
+        return
+    import torch
+
+    gc.collect()  # tensors in reference cycles (a failed job's frames) hold their blocks until collected
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
+
+
 def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, scratch: str, env: dict[str, str],
                  jobs: mp.Queue, results: mp.Queue) -> None:
     die_with_parent(parent=mp.parent_process().pid)  # a killed search takes its judges (and theirs) along
@@ -170,6 +193,7 @@ def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, s
                 results.close()
                 results.join_thread()
                 os._exit(3)
+        release_cached_memory(ctx)
     try:
         ctx.close()
         import torch.distributed as dist

@@ -1,6 +1,7 @@
-"""GPU timers: one multi-rank timed region (`gated_seconds`) and a one-GPU median (`cuda_median_us`).
+"""GPU timers: one multi-rank timed region (`gated_seconds`), one call on one GPU (`cuda_call_us`)
+and their median (`cuda_median_us`).
 
-Both queue the timed work behind a hold (a gate or a spin kernel) so the events see the GPU's
+Each queues the timed work behind a hold (a gate or a spin kernel) so the events see the GPU's
 time, not the host's launch latency.
 """
 
@@ -33,23 +34,24 @@ def gated_seconds(ctx: Any, fn: Callable[[], object], after: Callable[[], Any] |
 HOLD_CYCLES = 2_000_000  # ~1 ms of GPU clock: longer than the host takes to queue a probe's launches
 
 
-def cuda_median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median GPU time of `fn()` on the current stream in µs over `iters` calls (CUDA events),
-    after `warmup` untimed ones: the one-GPU timer of probes and kernel tests (multi-rank calls:
-    `gated_seconds`). Each timed call is queued behind a ~1 ms spin kernel, so its launches are
-    all queued before the start event fires: the time is the GPU's, not the host's launch latency
-    (without the hold, a 50 µs kernel launched from Python measured ~90 µs)."""
+def cuda_call_us(fn: Callable[[], object]) -> float:
+    """GPU time of one `fn()` on the current stream in µs (CUDA events), queued behind a ~1 ms spin
+    kernel, so its launches are all queued before the start event fires: the time is the GPU's, not
+    the host's launch latency (without the hold, a 50 µs kernel launched from Python measured ~90 µs)."""
     import torch
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HOLD_CYCLES)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def cuda_median_us(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median of `cuda_call_us(fn)` over `iters` calls after `warmup` untimed ones: the one-GPU
+    timer of probes and kernel tests (multi-rank calls: `gated_seconds`)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HOLD_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(cuda_call_us(fn) for _ in range(iters))
