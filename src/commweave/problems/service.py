@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from commweave.problems.format import Problem
 from commweave.problems.values import flatten_args, flatten_result
 from commweave.runtime.candidate import own_child
+from commweave.runtime.pool import release_cached_memory
 
 START_S = 180.0  # W interpreters importing torch and joining a group, on a loaded machine
 REQUEST_S = 300.0  # one input draw or reference run
@@ -159,6 +160,7 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             break
         try:
             if op == "load":
+                release_cached_memory(device)  # the last problem's tensors: this worker outlives problems
                 problem = Problem.from_json(arg)
                 make = _maker(problem)
                 solution = load_module(problem.reference, "commweave_problem_reference").solution
@@ -182,6 +184,9 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             conn.send_bytes(_dumps(("ok", value if send else None, "")))
         except Exception as exc:  # noqa: BLE001 - the problem's own failure, reported to the judge
             conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
+            del exc
+            args = result = value = None  # this failed request's tensors, then what they reserved goes back
+            release_cached_memory(device)
     dist.destroy_process_group()
     os._exit(0)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from commweave.runtime.confine import apply_safe_env, die_with_parent, remove_tree
 
 if TYPE_CHECKING:
-    from commweave.contracts.context import ProgramContext
+    import torch
 
 # Errors after which a CUDA context is unusable: the worker must die and be replaced.
 STICKY_CUDA_ERRORS = (
@@ -151,12 +151,13 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
     return RankContext.from_process_group(device)
 
 
-def release_cached_memory(ctx: ProgramContext) -> None:
-    """GPUs: give what a finished job's tensors left in torch's caching allocator (its staging,
-    the blocks it shared with program processes) back to the device, so the next job, its program
-    processes and anything else on the GPU can have it; a judge otherwise keeps the largest job's
-    memory for its whole life (PKB problems ran out of memory beside a judge holding 60 GB)."""
-    if not ctx.is_cuda:
+def release_cached_memory(device: torch.device) -> None:
+    """GPUs: give what finished work left in torch's caching allocator (a job's staging, blocks it
+    shared with program processes, a failed allocation's neighbours) back to the device, so the
+    next job, its program processes and anything else on the GPU can have it; a long-lived process
+    otherwise keeps its largest job's memory for its whole life (PKB problems ran out of memory
+    beside a judge holding 60 GB)."""
+    if device.type != "cuda":
         return
     import torch
 
@@ -193,7 +194,7 @@ def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, s
                 results.close()
                 results.join_thread()
                 os._exit(3)
-        release_cached_memory(ctx)
+        release_cached_memory(ctx.device)
     try:
         ctx.close()
         import torch.distributed as dist
