@@ -453,3 +453,19 @@ def test_the_stream_order_check_samples_every_output_within_its_bytes():
     assert len(set(offsets[0].tolist())) > SAMPLES_PER_OUTPUT * 0.9  # spread over the output, not one spot
     small = sample_offsets(2, 256, 10, torch.device("cpu")).view(2, SAMPLES_PER_OUTPUT)
     assert set(small[0].tolist()) == set(range(10)) and set(small[1].tolist()) == set(range(256, 266))
+
+
+def test_a_baseline_killed_while_the_host_ran_out_of_memory_is_no_tampering(monkeypatch):
+    """PKB #78 on 2 CPU ranks: the kernel's OOM killer took a baseline's process (exit code 137)
+    beside the candidate; /proc/vmstat's oom_kill rose during the benchmark, so: runtime_error."""
+    import commweave.evaluate.evaluator as evaluator_module
+
+    counts = iter([7, 8])
+    monkeypatch.setattr(evaluator_module, "host_oom_kills", lambda: next(counts))
+    died = Verdict.failed(FailureClass.RUNTIME_ERROR, "run(): rank 1's program process died (exit code 137)")
+    shape = ToyGatherMatmul().make_shape(4, 4, 4)
+    pool = _ScriptedPool(_passing_check(), _passing_check(), _bench_job({"candidate": Verdict.passed(), "host": died}),
+                         _bench_job({"host": Verdict.passed()}))
+    result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(), shape)
+    assert result.verdict.failure == FailureClass.RUNTIME_ERROR, result.verdict.message
+    assert "out-of-memory killer" in result.verdict.message and not pool.results

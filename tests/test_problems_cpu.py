@@ -5,6 +5,7 @@ ParallelKernelBench checkout (tests/problems/pkb) in PKB's layout and calling co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -167,6 +168,19 @@ def test_inputs_whose_shape_varies_with_the_seed_are_named_in_one_line(pool: Wor
         "    return total\n")
     with pytest.raises(Unsupported, match=r"input tensor t1 \(\d+,\) / \(\d+,\) changes shape with the seed") as caught:
         probe(pool, load_problem(varying))
+    assert caught.value.cause == VARYING
+
+
+def test_an_input_shape_the_probe_did_not_draw_is_named_in_one_line(pool: WorkerPool) -> None:
+    """2 CPU ranks: PKB #85 leaves rank 1's tensor empty for 1 seed in 4, which the probe's two
+    seeds may miss; the judge then meets the other shape while judging. Here the probe is told a
+    shape no seed draws: the verdict names the tensor (it broke the judge's pool before)."""
+    problem = load_problem(OWN)
+    layout = probe(pool, problem)
+    (name, shape), *rest = layout.inputs[1]
+    wrong = dataclasses.replace(layout, inputs=(layout.inputs[0], ((name, (shape[0] + 1, *shape[1:])), *rest)))
+    with pytest.raises(Unsupported, match=rf"rank 1's input tensor {name} .* changes shape with the seed") as caught:
+        judge(pool, problem, OWN.read_text(), trials=2, warmup=1, iters=2, layout=wrong)
     assert caught.value.cause == VARYING
 
 

@@ -24,7 +24,7 @@ from commweave.contracts.verdict import (
 )
 from commweave.runtime.compile import CompileError, compile_cubin
 from commweave.runtime.toolchain import ToolchainError
-from commweave.runtime.pool import JobResult, WorkerPool, is_out_of_memory
+from commweave.runtime.pool import JobResult, WorkerPool, host_oom_kills, is_out_of_memory
 from commweave.contracts.workload import Shape, Workload
 
 CHECK_JOB = "commweave.evaluate.jobs:check_program"
@@ -231,7 +231,9 @@ class Evaluator:
                 to_time[name] = baseline_text
             else:
                 baselines[name] = ProgramTiming(name, baseline_verdict)
+        oom_kills = host_oom_kills()
         bench = self.benchmark(to_time, shape)
+        host_ran_out = oom_kills is not None and (host_oom_kills() or 0) > oom_kills
         candidate = bench.programs[CANDIDATE]
         sabotaged = [n for n in to_time if n != CANDIDATE and not bench.programs[n].verdict.ok]
         late = [n for n in sabotaged if bench.programs[n].verdict.failure == FailureClass.TIMEOUT]
@@ -245,9 +247,10 @@ class Evaluator:
             if cleared:
                 n = cleared[0]
                 why = f"({bench.programs[n].verdict.failure}: {bench.programs[n].verdict.message})"
-                if is_out_of_memory(bench.programs[n].verdict.message):  # the device was full: no evidence of intent
-                    blame = Verdict.failed(FailureClass.RUNTIME_ERROR, f"the device ran out of memory with it beside "
-                                           f"the baselines: baseline {n!r} failed beside it {why} and passes alone")
+                if is_out_of_memory(bench.programs[n].verdict.message) or host_ran_out:  # memory ran out: no evidence of intent
+                    where = "the host's out-of-memory killer struck" if host_ran_out else "the device ran out of memory"
+                    blame = Verdict.failed(FailureClass.RUNTIME_ERROR, f"{where} with it beside the baselines: "
+                                           f"baseline {n!r} failed beside it {why} and passes alone")
                 else:
                     blame = Verdict.failed(FailureClass.TAMPERING, f"baseline {n!r} failed beside it {why} and passes alone")
                 candidate = ProgramTiming(CANDIDATE, blame)

@@ -267,6 +267,8 @@ class _Program:
         """Judge code (workload, checks): its failure is the harness's, never the program's doing."""
         try:
             return fn(*args)
+        except WorkloadError:  # the workload cannot make this (an input it cannot lay out): the run's error
+            raise
         except Exception as exc:
             located = Verdict.failed(FailureClass.RUNTIME_ERROR, f"{what} raised {type(exc).__name__}: {exc}",
                                      rank=self.ctx.rank, shape=self.shape, seed=self.seed).message

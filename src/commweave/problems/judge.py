@@ -22,12 +22,11 @@ from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
 from commweave.problems.service import ReferenceError
 from commweave.problems.values import HEADER, skeleton_bytes
-from commweave.problems.workload import Layout, ProblemWorkload, reference_workers, workload_for
+from commweave.problems.workload import VARYING, Layout, ProblemWorkload, reference_workers, workload_for
 from commweave.runtime.pool import WorkerPool
 
 PROBE_JOB = "commweave.problems.judge:probe_rank"
 ARGS_ROOM = 4096  # bytes the skeleton may grow past its probe's (a split-size list of other values)
-VARYING = "inputs vary in shape"  # the cause of a problem whose input tensors change shape with the seed
 
 
 class Unsupported(RuntimeError):
@@ -58,9 +57,9 @@ class Verdict:
                 "solution_us": self.solution_us, "trials": self.trials, "world_size": self.world_size}
 
 
-def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, list[str]]:
-    """Judge job: this rank's result length on two fresh seeds, its skeleton's pickled bytes, and
-    the input tensors whose shape differs between the two seeds."""
+def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, list[str], list[list[Any]]]:
+    """Judge job: this rank's result length on two fresh seeds, its skeleton's pickled bytes, the
+    input tensors whose shape differs between the two seeds, and the first seed's [name, shape]s."""
     workers = reference_workers(Problem.from_json(problem), ctx.world_size, ctx.device.type)
     lengths, skeleton, shapes = [], 0, []
     for seed in (secrets.randbelow(1 << 30), secrets.randbelow(1 << 30)):
@@ -70,7 +69,7 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, list[
         lengths.append(int(workers.request("reference", seed, ctx.rank).numel()))
     varying = [f"{name} {shapes[0][name]} / {shapes[1].get(name)}" for name in shapes[0]
                if shapes[0][name] != shapes[1].get(name)]
-    return lengths, skeleton, varying
+    return lengths, skeleton, varying, [[name, list(shape)] for name, shape in shapes[0].items()]
 
 
 def _cause(message: str, device: str) -> str:
@@ -103,7 +102,8 @@ def probe(pool: WorkerPool, problem: Problem) -> Layout:
     fixed = all(len(set(ls)) == 1 for ls in lengths)
     out = tuple(ls[0] if fixed else 2 * max(ls) for ls in lengths)
     args = tuple(HEADER + 2 * value[1] + ARGS_ROOM for value in result.values)
-    return Layout(out, args, fixed)
+    inputs = tuple(tuple((name, tuple(shape)) for name, shape in value[3]) for value in result.values)
+    return Layout(out, args, fixed, inputs)
 
 
 def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5, warmup: int = 10,
@@ -115,7 +115,10 @@ def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5,
     try:
         result = evaluator.evaluate(program, workload.shape)
     except EvaluationError as exc:
-        raise Unsupported("reference fails", str(exc).splitlines()[0]) from exc
+        message = str(exc).splitlines()[0]
+        if message.startswith(f"{VARYING}: "):  # a shape the probe's two seeds did not draw
+            raise Unsupported(VARYING, message.removeprefix(f"{VARYING}: ")) from exc
+        raise Unsupported("reference fails", message) from exc
     reference = result.baselines.get("reference")
     reference_us = reference.median_us if reference is not None else None
     if not result.verdict.ok:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from commweave.contracts.verdict import WorkloadError
 from commweave.contracts.workload import Cost, Shape, Workload
 from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
@@ -30,16 +31,19 @@ from commweave.problems.values import ARGS, pack_skeleton
 PREFIX = "problem_"
 REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
 CACHED_SEEDS = 16
+VARYING = "inputs vary in shape"  # the cause of a problem whose input tensors change shape with the seed
 
 
 @dataclass(frozen=True)
 class Layout:
     """Per rank: the output's capacity and the skeleton's bytes; `fixed`: every seed's result
-    has exactly that length (no untouched tail)."""
+    has exactly that length (no untouched tail); `inputs`: per rank, each tensor argument's shape
+    as the probe drew it (the judge's buffers have that size; empty: not checked)."""
 
     out: tuple[int, ...]
     args: tuple[int, ...]
     fixed: bool
+    inputs: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] = ()
 
 
 _WORKERS: dict[tuple[int, str], ReferenceWorkers] = {}  # this process's reference workers
@@ -103,6 +107,11 @@ class ProblemWorkload(Workload):
 
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
         tensors, skeleton = self._workers(world_size, device).request("inputs", seed, rank)
+        for name, probed in self.layout.inputs[rank] if self.layout.inputs else ():
+            drawn = tuple(tensors[name].shape) if name in tensors else None
+            if drawn != probed:  # a shape the probe's seeds did not draw (PKB #85: an empty rank, 1 seed in 4)
+                raise WorkloadError(f"{VARYING}: rank {rank}'s input tensor {name} {probed} / {drawn} changes shape "
+                                    "with the seed; the judge shares inputs in buffers of one size per tensor")
         inputs = {k: v.to(device) for k, v in tensors.items()}
         inputs[ARGS] = pack_skeleton(skeleton, self.layout.args[rank]).to(device)
         return inputs
@@ -145,7 +154,8 @@ class ProblemWorkload(Workload):
 @functools.lru_cache(maxsize=None)
 def _workload_class(token: str) -> type[ProblemWorkload]:
     spec = json.loads(bytes.fromhex(token[len(PREFIX):]).decode())
-    layout = Layout(tuple(spec["layout"]["out"]), tuple(spec["layout"]["args"]), spec["layout"]["fixed"])
+    inputs = tuple(tuple((name, tuple(shape)) for name, shape in rank) for rank in spec["layout"]["inputs"])
+    layout = Layout(tuple(spec["layout"]["out"]), tuple(spec["layout"]["args"]), spec["layout"]["fixed"], inputs)
     cls = type(token, (ProblemWorkload,), {"problem": Problem.from_json(spec["problem"]), "layout": layout,
                                            "__module__": __name__, "__qualname__": token})
     return cls

@@ -52,6 +52,20 @@ def is_out_of_memory(message: str) -> bool:
     return "OutOfMemoryError" in message or "out of memory" in message.lower()
 
 
+def host_oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed since boot (Linux's
+    /proc/vmstat `oom_kill`), or None where that is not readable: a program process that died of
+    SIGKILL while this rose was the host's memory running out, not a neighbour's doing."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 @dataclass
 class RankFailure:
     """Why a rank's job did not return a value."""
