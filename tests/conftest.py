@@ -7,6 +7,7 @@ its own and fails when a test leaves commweave's temporary folders behind (then 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -48,9 +49,14 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    """Remove the session's temp folder (pytest's tmp_path folders were made inside it too)."""
-    from commweave.runtime.confine import remove_tree
-
+    """Remove the session's temp folder (pytest's tmp_path folders were made inside it too), also
+    when commweave cannot be imported (a run before `pip install -e .` made the folder too)."""
     folder = config.stash.get(_SESSION_TMP, None)
-    if folder is not None and folder.exists():
-        remove_tree(folder)
+    if folder is None or not folder.exists():
+        return
+    try:
+        from commweave.runtime.confine import remove_tree
+    except ImportError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    remove_tree(folder)

@@ -38,12 +38,12 @@ VARYING = "inputs vary in shape"  # the cause of a problem whose input tensors c
 class Layout:
     """Per rank: the output's capacity and the skeleton's bytes; `fixed`: every seed's result
     has exactly that length (no untouched tail); `inputs`: per rank, each tensor argument's shape
-    as the probe drew it (the judge's buffers have that size; empty: not checked)."""
+    as the probe drew it (the judge's buffers have that size)."""
 
     out: tuple[int, ...]
     args: tuple[int, ...]
     fixed: bool
-    inputs: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] = ()
+    inputs: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
 
 
 _WORKERS: dict[tuple[int, str], ReferenceWorkers] = {}  # this process's reference workers
@@ -107,7 +107,7 @@ class ProblemWorkload(Workload):
 
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
         tensors, skeleton = self._workers(world_size, device).request("inputs", seed, rank)
-        for name, probed in self.layout.inputs[rank] if self.layout.inputs else ():
+        for name, probed in self.layout.inputs[rank]:
             drawn = tuple(tensors[name].shape) if name in tensors else None
             if drawn != probed:  # a shape the probe's seeds did not draw (PKB #85: an empty rank, 1 seed in 4)
                 raise WorkloadError(f"{VARYING}: rank {rank}'s input tensor {name} {probed} / {drawn} changes shape "

@@ -165,17 +165,19 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
     return RankContext.from_process_group(device)
 
 
-def release_cached_memory(device: torch.device) -> None:
+def release_cached_memory(device: torch.device, collect: bool = True) -> None:
     """GPUs: give what finished work left in torch's caching allocator (a job's staging, blocks it
     shared with program processes, a failed allocation's neighbours) back to the device, so the
     next job, its program processes and anything else on the GPU can have it; a long-lived process
     otherwise keeps its largest job's memory for its whole life (PKB problems ran out of memory
-    beside a judge holding 60 GB)."""
+    beside a judge holding 60 GB). `collect`: first collect reference cycles (a failed job's frames
+    hold its tensors until then; ~0.1 s, so not after every job on a search's hot path)."""
     if device.type != "cuda":
         return
     import torch
 
-    gc.collect()  # tensors in reference cycles (a failed job's frames) hold their blocks until collected
+    if collect:
+        gc.collect()
     torch.cuda.ipc_collect()
     torch.cuda.empty_cache()
 
@@ -198,17 +200,19 @@ def _worker_main(rank: int, world_size: int, device_kind: str, init_file: str, s
         job = jobs.get()
         if job is None:
             break
+        failed = False
         try:
             value = resolve_function(job.fn)(ctx, **job.kwargs)
             results.put((job.job_id, rank, ("ok", value)))
         except BaseException as exc:
+            failed = True
             failure = RankFailure(type(exc).__name__, str(exc), traceback.format_exc())
             results.put((job.job_id, rank, ("error", failure)))
             if failure.sticky:  # the CUDA context is gone: leave, the parent starts a new pool
                 results.close()
                 results.join_thread()
                 os._exit(3)
-        release_cached_memory(ctx.device)
+        release_cached_memory(ctx.device, collect=failed)
     try:
         ctx.close()
         import torch.distributed as dist
