@@ -352,9 +352,11 @@ class _ScriptedPool:
     def __init__(self, *results: JobResult):
         self.results = list(results)
         self.jobs: list[str] = []
+        self.calls: list[tuple[str, float | None]] = []  # (job function, its time limit)
 
     def run(self, fn, timeout_s=None, **kwargs):
         self.jobs.append(kwargs.get("name", "bench"))
+        self.calls.append((fn, timeout_s))
         return self.results.pop(0)
 
 
@@ -403,6 +405,42 @@ def _bench_job(verdicts: dict[str, Verdict]) -> JobResult:
     return JobResult("ok", ranks, [None, None], elapsed_s=1.0)
 
 
+def _evaluate_job(verdicts: dict[str, Verdict]) -> JobResult:
+    """The candidate passed its checks, then the benchmark gave `verdicts` (one job)."""
+    from commweave.evaluate.jobs import RankEvaluation
+
+    ranks = [RankEvaluation(Verdict.passed(), bench) for bench in _bench_job(verdicts).values]
+    return JobResult("ok", ranks, [None, None], elapsed_s=1.0)
+
+
+def test_an_evaluation_starts_its_programs_once():
+    """The candidate's checks and its benchmark beside the baselines are one job (program processes
+    start once per evaluation, not once per check and once per benchmark), with the time of two;
+    the baseline's own check runs once, in the first evaluation."""
+    from commweave.evaluate.evaluator import CHECK_JOB, EVALUATE_JOB
+
+    both = {"candidate": Verdict.passed(), "host": Verdict.passed()}
+    pool = _ScriptedPool(_passing_check(), _evaluate_job(both), _evaluate_job(both))
+    evaluator = Evaluator(pool, ToyGatherMatmul())
+    shape = ToyGatherMatmul().make_shape(4, 4, 4)
+    for _ in range(2):
+        result = evaluator.evaluate((PROGRAMS / "host.py").read_text(), shape)
+        assert result.verdict.ok and result.fitness == pytest.approx(1.0), result.verdict.message
+    assert pool.calls == [(CHECK_JOB, 10.0), (EVALUATE_JOB, 20.0), (EVALUATE_JOB, 20.0)]
+
+
+def test_a_candidate_failing_its_checks_is_not_benchmarked():
+    from commweave.evaluate.jobs import RankEvaluation
+
+    wrong = Verdict.failed(FailureClass.WRONG_RESULT, "output differs at 3 of 16 elements")
+    failed = JobResult("ok", [RankEvaluation(wrong, None), RankEvaluation(Verdict.passed(), None)], [None, None],
+                       elapsed_s=1.0)
+    pool = _ScriptedPool(_passing_check(), failed)
+    result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(),
+                                                          ToyGatherMatmul().make_shape(4, 4, 4))
+    assert result.fitness == 0.0 and result.verdict.failure == FailureClass.WRONG_RESULT and result.candidate is None
+
+
 @pytest.mark.parametrize("beside, alone, expected", [
     (Verdict.failed(FailureClass.NAN, "output has 3 NaN"), Verdict.passed(), FailureClass.TAMPERING),
     (Verdict.failed(FailureClass.TIMEOUT, "run(): no answer within 8.0 s"), None, FailureClass.TIMEOUT),
@@ -412,7 +450,7 @@ def _bench_job(verdicts: dict[str, Verdict]) -> JobResult:
 ])
 def test_a_baseline_failing_only_beside_the_candidate_is_the_candidates_doing(beside, alone, expected):
     shape = ToyGatherMatmul().make_shape(4, 4, 4)
-    jobs = [_passing_check(), _passing_check(), _bench_job({"candidate": Verdict.passed(), "host": beside})]
+    jobs = [_passing_check(), _evaluate_job({"candidate": Verdict.passed(), "host": beside})]
     if alone is not None:
         jobs.append(_bench_job({"host": alone}))
     pool = _ScriptedPool(*jobs)
@@ -464,7 +502,7 @@ def test_a_baseline_killed_while_the_host_ran_out_of_memory_is_no_tampering(monk
     monkeypatch.setattr(evaluator_module, "host_oom_kills", lambda: next(counts))
     died = Verdict.failed(FailureClass.RUNTIME_ERROR, "run(): rank 1's program process died (exit code 137)")
     shape = ToyGatherMatmul().make_shape(4, 4, 4)
-    pool = _ScriptedPool(_passing_check(), _passing_check(), _bench_job({"candidate": Verdict.passed(), "host": died}),
+    pool = _ScriptedPool(_passing_check(), _evaluate_job({"candidate": Verdict.passed(), "host": died}),
                          _bench_job({"host": Verdict.passed()}))
     result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(), shape)
     assert result.verdict.failure == FailureClass.RUNTIME_ERROR, result.verdict.message

@@ -15,7 +15,7 @@ import hashlib
 import secrets
 
 from commweave.evaluate.floor import MachineRates, below_floor, floor_s
-from commweave.evaluate.jobs import RankBench, RankCheck, resolve_workload, workload_ref
+from commweave.evaluate.jobs import RankBench, RankCheck, RankEvaluation, resolve_workload, workload_ref
 from commweave.contracts.program import ProgramError, parse_program
 from commweave.evaluate.timing import summarize
 from commweave.contracts.result import BenchResult, EvalResult, ProgramTiming
@@ -29,6 +29,7 @@ from commweave.contracts.workload import Shape, Workload
 
 CHECK_JOB = "commweave.evaluate.jobs:check_program"
 BENCH_JOB = "commweave.evaluate.jobs:bench_programs"
+EVALUATE_JOB = "commweave.evaluate.jobs:evaluate_program"  # check, then benchmark: one job, one start
 CANDIDATE = "candidate"  # the candidate's name in a benchmark beside the baselines
 JUDGE_SHARE = 0.8  # of a job's time limit, what its judges give its programs (then they report a timeout)
 
@@ -131,10 +132,12 @@ class Evaluator:
     def _timeout_s(self) -> float:
         return self.job_timeout_s if self.job_timeout_s is not None else self.pool.job_timeout_s
 
-    def _run(self, job: str, candidate: bool, **kwargs: object) -> JobResult:
-        """Run a judge job; a judge that died while a candidate's processes ran is the candidate's
-        doing if a fresh pool then judges a baseline correctly (else the machine's: raised)."""
-        result = self.pool.run(job, timeout_s=self.job_timeout_s, budget_s=JUDGE_SHARE * self._timeout_s, **kwargs)
+    def _run(self, job: str, candidate: bool, phases: int = 1, **kwargs: object) -> JobResult:
+        """Run a judge job (`phases`: how many jobs' worth of time it gets); a judge that died
+        while a candidate's processes ran is the candidate's doing if a fresh pool then judges a
+        baseline correctly (else the machine's: raised)."""
+        timeout_s = phases * self._timeout_s
+        result = self.pool.run(job, timeout_s=timeout_s, budget_s=JUDGE_SHARE * timeout_s, **kwargs)
         slowest: dict[str, float] = {}
         for values in result.values:
             for phase, seconds in getattr(values, "phases", {}).items():
@@ -170,28 +173,38 @@ class Evaluator:
     def benchmark(self, programs: dict[str, str], shape: Shape) -> BenchResult:
         """Time `programs` side by side in one job; each gets a verdict (and times if it ran).
         A job that fails as a whole gives its failure to every program in it."""
-        floor = floor_s(self.workload.cost(shape, self.world_size), self.rates)
-        timings: dict[str, ProgramTiming] = {}
+        failed, runnable = self._compiled(programs)
+        ranks: list[RankBench] | Verdict = []
+        if runnable:
+            result = self._run(BENCH_JOB, CANDIDATE in runnable, workload=self.workload_ref, programs=runnable,
+                               shape=shape, warmup=self.warmup, iters=self.iters)
+            ranks = result.values if result.ok else job_failure(result)
+        return self._bench_result(programs, failed, runnable, ranks, shape)
+
+    def _compiled(self, programs: dict[str, str]) -> tuple[dict[str, ProgramTiming], dict[str, str]]:
+        """(the programs that failed to compile, with their verdicts; those that compiled)."""
+        failed: dict[str, ProgramTiming] = {}
         runnable: dict[str, str] = {}
         for name, text in programs.items():
             verdict = self.compile(text)
             if verdict.ok:
                 runnable[name] = text
             else:
-                timings[name] = ProgramTiming(name, verdict)
+                failed[name] = ProgramTiming(name, verdict)
+        return failed, runnable
+
+    def _bench_result(self, programs: dict[str, str], failed: dict[str, ProgramTiming], runnable: dict[str, str],
+                      ranks: list[RankBench] | Verdict, shape: Shape) -> BenchResult:
+        """The benchmark of `programs` from the ranks' results, or one failure for all of `runnable`."""
+        floor = floor_s(self.workload.cost(shape, self.world_size), self.rates)
+        timings = dict(failed)
         input_sets = 0
-        if runnable:
-            result = self._run(BENCH_JOB, CANDIDATE in runnable, workload=self.workload_ref, programs=runnable,
-                               shape=shape, warmup=self.warmup, iters=self.iters)
-            if result.ok:
-                ranks: list[RankBench] = result.values
-                input_sets = ranks[0].input_sets
-                for name in runnable:
-                    timings[name] = self._timing(name, ranks, floor)
+        for name in runnable:
+            if isinstance(ranks, Verdict):
+                timings[name] = ProgramTiming(name, ranks)
             else:
-                failure = job_failure(result)
-                for name in runnable:
-                    timings[name] = ProgramTiming(name, failure)
+                input_sets = ranks[0].input_sets
+                timings[name] = self._timing(name, ranks, floor)
         ordered = {name: timings[name] for name in programs}
         return BenchResult(shape.label, floor * 1e6, self.warmup, self.iters, input_sets, ordered)
 
@@ -219,7 +232,7 @@ class Evaluator:
         shapes = self.workload.check_shapes(self.world_size)
         if shape not in shapes:
             shapes = [*shapes, shape]
-        verdict = self._check(text, CANDIDATE, shapes)
+        verdict = self.compile(text)
         if not verdict.ok:
             return EvalResult(0.0, verdict, shape.label)
         baselines: dict[str, ProgramTiming] = {}
@@ -231,8 +244,20 @@ class Evaluator:
                 to_time[name] = baseline_text
             else:
                 baselines[name] = ProgramTiming(name, baseline_verdict)
+        failed, runnable = self._compiled({n: t for n, t in to_time.items() if n != CANDIDATE})
+        base = fresh_seed_base()
         oom_kills = host_oom_kills()
-        bench = self.benchmark(to_time, shape)
+        result = self._run(EVALUATE_JOB, True, phases=2, workload=self.workload_ref, name=CANDIDATE, text=text,
+                           baselines=runnable, check_shapes=shapes, seeds=[base + i for i in range(self.seeds)],
+                           shape=shape, warmup=self.warmup, iters=self.iters)
+        if not result.ok:
+            return EvalResult(0.0, job_failure(result), shape.label)
+        ranks: list[RankEvaluation] = result.values
+        verdict = merge_rank_verdicts([r.verdict for r in ranks])
+        if not verdict.ok:
+            return EvalResult(0.0, verdict, shape.label)
+        benches = [r.bench for r in ranks if r.bench is not None]
+        bench = self._bench_result(to_time, failed, {CANDIDATE: text, **runnable}, benches, shape)
         host_ran_out = oom_kills is not None and (host_oom_kills() or 0) > oom_kills
         candidate = bench.programs[CANDIDATE]
         sabotaged = [n for n in to_time if n != CANDIDATE and not bench.programs[n].verdict.ok]

@@ -379,21 +379,64 @@ def check_program(ctx: ProgramContext, workload: str, text: str, name: str, shap
     job = _Job(ctx, budget_s)
     try:
         program = job.start({name: text}, None)[name]
-        began = time.perf_counter()
-        program.load()
-        if program.agree():
-            for shape in shapes:
-                program.shape, program.seed = shape.label, None
-                if not _check_shape(wl, program, shape, seeds):
-                    break
-        job.add("checks", time.perf_counter() - began)
+        verdict = _check_started(wl, job, program, shapes, seeds)
         _finish(program, teardown=False)
     finally:
         job.close()
+    return RankCheck(program.verdict if not program.verdict.ok else verdict, job.phases)
+
+
+def _check_started(wl: Workload, job: _Job, program: _Program, shapes: list[Shape], seeds: list[int]) -> Verdict:
+    """Load a started program and check it on every shape (see `check_program`): its verdict."""
+    began = time.perf_counter()
+    program.load()
+    if program.agree():
+        for shape in shapes:
+            program.shape, program.seed = shape.label, None
+            if not _check_shape(wl, program, shape, seeds):
+                break
+    job.add("checks", time.perf_counter() - began)
     if not program.verdict.ok:
-        return RankCheck(program.verdict, job.phases)
-    summary = f"{len(seeds)} seeds on {len(shapes)} shapes: {', '.join(s.label for s in shapes)}"
-    return RankCheck(Verdict.passed(summary), job.phases)
+        return program.verdict
+    return Verdict.passed(f"{len(seeds)} seeds on {len(shapes)} shapes: {', '.join(s.label for s in shapes)}")
+
+
+@dataclass
+class RankEvaluation:
+    """One rank's evaluation of a candidate in one job: its correctness verdict and, when it
+    passed on every rank, the benchmark beside the baselines."""
+
+    verdict: Verdict
+    bench: RankBench | None
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def evaluate_program(ctx: ProgramContext, workload: str, name: str, text: str, baselines: dict[str, str],
+                     check_shapes: list[Shape], seeds: list[int], shape: Shape, warmup: int, iters: int,
+                     budget_s: float) -> RankEvaluation:
+    """`check_program`'s checks of `text`, then `bench_programs`' benchmark of it beside
+    `baselines` on `shape`, in one job: every program process starts once, all together (a start
+    costs a CUDA context and a process group; the search pays it per candidate). The candidate's
+    process serves both phases, as it serves every check shape in turn; the baselines' wait,
+    unloaded, until it passed."""
+    wl = resolve_workload(workload)
+    job = _Job(ctx, budget_s)
+    bench: RankBench | None = None
+    try:
+        started = job.start({name: text, **baselines}, None)
+        verdict = _check_started(wl, job, started[name], check_shapes, seeds)
+        if started[name].ok:
+            bench = RankBench()
+            _bench(job, wl, started, shape, warmup, iters, bench, loaded={name})
+        else:
+            for program in started.values():
+                _finish(program, teardown=False)
+            verdict = started[name].verdict if not started[name].verdict.ok else verdict  # what closing found
+    finally:
+        job.close()
+    if bench is not None:
+        bench.phases = job.phases
+    return RankEvaluation(verdict, bench, job.phases)
 
 
 def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]) -> bool:
@@ -474,7 +517,7 @@ def bench_programs(ctx: ProgramContext, workload: str, programs: dict[str, str],
     job = _Job(ctx, budget_s)
     result = RankBench()
     try:
-        _bench(job, wl, programs, shape, warmup, iters, result)
+        _bench(job, wl, job.start(programs, shape.label), shape, warmup, iters, result)
     finally:
         job.close()
     result.phases = job.phases
@@ -492,20 +535,22 @@ class _Batch:
     expired: bool  # GPUs: the hold let go before the program had queued the batch (its CPU time shows)
 
 
-def _bench(job: _Job, wl: Workload, programs: dict[str, str], shape: Shape, warmup: int, iters: int,
-           result: RankBench) -> None:
+def _bench(job: _Job, wl: Workload, started: dict[str, _Program], shape: Shape, warmup: int, iters: int,
+           result: RankBench, loaded: frozenset[str] | set[str] = frozenset()) -> None:
+    """The benchmark of started programs (those in `loaded` already loaded) into `result`."""
     ctx = job.ctx
     device = ctx.device.type
-    started = job.start(programs, shape.label)
     began = time.perf_counter()
-    for program in started.values():
-        program.load()
+    for name, program in started.items():
+        program.shape, program.seed = shape.label, None
+        if name not in loaded:
+            program.load()
         program.agree()
     probe = None
     first = next((p for p in started.values() if p.ok), None)
     if first is not None:
         probe = first.harness("make_inputs()", wl.make_inputs, shape, ctx.world_size, ctx.rank, 0, ctx.device)
-    capacity = _batch_capacity(job, wl, shape, probe, len(programs))
+    capacity = _batch_capacity(job, wl, shape, probe, len(started))
     result.input_sets = capacity
     seeds = _SeedStream(job)
     for name, program in started.items():
@@ -704,7 +749,7 @@ def _l2_flush_buffer(ctx: ProgramContext) -> torch.Tensor | None:
     before it are not served from cache."""
     if not ctx.is_cuda:
         return None
-    return torch.empty(2 * H200.l2_bytes, dtype=torch.uint8, device=ctx.device)
+    return torch.zeros(2 * H200.l2_bytes, dtype=torch.uint8, device=ctx.device)  # its kernel loaded outside a hold
 
 
 def _unready(program: _Program, count: int, masks: list[torch.Tensor | None]) -> torch.Tensor:
