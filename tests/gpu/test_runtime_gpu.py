@@ -81,3 +81,17 @@ def test_a_judge_gives_a_finished_jobs_memory_back_to_the_device():
     assert held.ok and after.ok, (held.first_failure(), after.first_failure())
     assert held.values[0] >= 4 << 30  # torch kept the dropped block cached inside the job
     assert after.values[0] < 1 << 30, f"{after.values[0] / 2**30:.1f} GiB still reserved after the job"
+
+
+def test_a_judge_frees_what_a_finished_jobs_reference_cycles_hold():
+    """1 GPU. A job's objects that point at each other outlive it until Python's cycle collector
+    runs, rarely: a search's judge lost most of an H100 in 8 candidates that way (its batches shrank
+    to one call, and its times to the crossing). A judge collects when tensors outlive a job."""
+    from worker_env import worker_env
+
+    with WorkerPool(1, device="cuda", job_timeout_s=120, env=worker_env()) as one:
+        held = one.run("runtime_jobs:leave_a_cycle", nbytes=4 << 30)
+        after = one.run("runtime_jobs:reserved_bytes")
+    assert held.ok and after.ok, (held.first_failure(), after.first_failure())
+    assert held.values[0] >= 4 << 30
+    assert after.values[0] < 1 << 30, f"{after.values[0] / 2**30:.1f} GiB still held after the job"

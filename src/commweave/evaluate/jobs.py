@@ -167,6 +167,7 @@ class _Job:
         """Kill whatever program processes are left (a job that raised), remove the judges' folder."""
         for program in self.programs:
             program.close(blame=False)
+        self.programs.clear()  # each program points back at this job: the cycle would hold its buffers until a gc
         if self.ctx.rank == 0:
             shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -165,18 +165,23 @@ def _build_context(rank: int, world_size: int, device_kind: str, init_file: str)
     return RankContext.from_process_group(device)
 
 
+IDLE_BYTES = 256 << 20  # GPUs: tensors a judge may keep between jobs (its flush buffer, RNG states) before a gc
+
+
 def release_cached_memory(device: torch.device, collect: bool = True) -> None:
     """GPUs: give what finished work left in torch's caching allocator (a job's staging, blocks it
     shared with program processes, a failed allocation's neighbours) back to the device, so the
     next job, its program processes and anything else on the GPU can have it; a long-lived process
     otherwise keeps its largest job's memory for its whole life (PKB problems ran out of memory
-    beside a judge holding 60 GB). `collect`: first collect reference cycles (a failed job's frames
-    hold its tensors until then; ~0.1 s, so not after every job on a search's hot path)."""
+    beside a judge holding 60 GB). Reference cycles are collected first when `collect` (a failed
+    job's frames hold its tensors) or when tensors outlived the job (a cycle among its objects: a
+    search's judge lost most of an H100's memory in 8 candidates that way, and its batches shrank to one call); a
+    collection costs ~0.1 s, so not after every job on a search's hot path."""
     if device.type != "cuda":
         return
     import torch
 
-    if collect:
+    if collect or torch.cuda.memory_allocated(device) > IDLE_BYTES:
         gc.collect()
     torch.cuda.ipc_collect()
     torch.cuda.empty_cache()
