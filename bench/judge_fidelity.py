@@ -35,6 +35,7 @@ Writes bench/results/judge-fidelity-1gpu-<stamp>.json (or -cpu-) with provenance
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -175,6 +176,21 @@ def paced_us(ctx: Any, wl: Workload, programs: dict[str, str], shape: Shape, siz
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
+def in_process(device: str, size: int, programs: dict[str, str], sizes: dict[str, int], period_s: float,
+               batches: int) -> tuple[dict[str, float], float, int, float]:
+    """In a child process: `paced_us` of the programs, then `back_to_back_us` of the host and of
+    the twice-work program."""
+    apply_safe_env()
+    wl, [shape], host = workload_and_shapes(device, [size])
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = _build_context(0, 1, device, str(Path(folder) / "store"))
+        paced = paced_us(ctx, wl, programs, shape, sizes, period_s, batches)
+        b2b_us, b2b_k = back_to_back_us(ctx, wl, host, shape, batches)
+        b2b_twice_us = back_to_back_us(ctx, wl, programs["twice"], shape, batches)[0]
+        torch.distributed.destroy_process_group()  # (left up, it held the process at exit on one H200)
+    return paced, b2b_us, b2b_k, b2b_twice_us
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -190,24 +206,22 @@ def main() -> None:
     env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     programs = {"host": host, "honest": host, "twice": doubled}
     rows = []
-    with tempfile.TemporaryDirectory() as folder, \
-            WorkerPool(1, device=args.device, job_timeout_s=600, env=env) as pool:
-        ctx = _build_context(0, 1, args.device, str(Path(folder) / "store"))
+    spawn = multiprocessing.get_context("spawn")
+    with WorkerPool(1, device=args.device, job_timeout_s=600, env=env) as pool:
         evaluator = Evaluator(pool, wl, warmup=args.warmup, iters=args.batches)
-        for shape in shapes:
+        for size, shape in zip(args.sizes or (GPU_SIZES if args.device == "cuda" else CPU_SIZES), shapes):
             evaluator.phases = {}
-            bench = evaluator.benchmark(programs, shape)  # first: this process stays idle while the judge times
+            bench = evaluator.benchmark(programs, shape)  # first, with no other process holding the device's memory
             timings = bench.programs
             failed = [f"{n}: {t.verdict.failure}: {t.verdict.message}" for n, t in timings.items() if t.median_us is None]
             if failed:
                 raise SystemExit(f"{shape.label}: " + "; ".join(failed))
             # the judge's wall time per timed batch: timed batches and the checks of their outputs
             period_s = (evaluator.phases["timing"] + evaluator.phases.get("checks", 0.0)) / (len(programs) * args.batches)
-            paced = paced_us(ctx, wl, programs, shape, {n: t.batch for n, t in timings.items()}, period_s, args.batches)
-            b2b_us, b2b_k = back_to_back_us(ctx, wl, host, shape, args.batches)
-            b2b_twice_us = back_to_back_us(ctx, wl, doubled, shape, args.batches)[0]
-            if ctx.is_cuda:
-                torch.cuda.empty_cache()
+            sizes = {n: t.batch for n, t in timings.items()}
+            with spawn.Pool(1) as child:  # its own process: everything it allocated goes back when it exits
+                paced, b2b_us, b2b_k, b2b_twice_us = child.apply(
+                    in_process, (args.device, size, programs, sizes, period_s, args.batches))
             host_us = timings["host"].median_us
             rows.append({
                 "shape": shape.label, "inprocess_us": paced["host"], "judge_us": host_us,
@@ -230,7 +244,6 @@ def main() -> None:
                   f"{r['twice_fitness']:.3f} (in process {r['twice_inprocess_fitness']:.3f}), honest "
                   f"{r['honest_fitness']:.3f}, K {timings['host'].batch}, crossing {timings['host'].crossing_us:.0f} µs, "
                   f"period {period_s * 1e3:.1f} ms", flush=True)
-        torch.distributed.destroy_process_group()  # (left up, it held the process at exit on one H200)
     tag = "1gpu" if args.device == "cuda" else "cpu"
     payload = {"device": args.device, "world": 1, "workload": wl.name, "batches": args.batches, "warmup": args.warmup,
                "rows": rows}

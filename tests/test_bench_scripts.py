@@ -36,3 +36,30 @@ def test_every_cited_bench_script_exists():
                for name in re.findall(r"bench/([\w-]+\.(?:py|sh))", paragraph)
                if not (BENCH / name).exists() and not re.search(r"removed after [0-9a-f]{7}", paragraph)]
     assert not missing, f"docs cite bench scripts that are gone: {missing}"
+
+
+def test_search_rate_reads_a_run_database(tmp_path):
+    """bench/search_rate.py: three evaluations 10 s apart are 6 a minute from the first result on,
+    and each keeps its judge time, host median and calls per batch."""
+    import importlib.util
+    import sqlite3
+
+    from commweave.search.db import ProgramDB
+
+    path = tmp_path / "run.sqlite"
+    with ProgramDB(path) as db:
+        db.set_meta(workload="toy", shape="64x64x64", gpus=1, elapsed_s=25.0)
+        for i in range(3):
+            db.add_program(code=f"# {i}", directives=None, island=0, generation=i, status="ok", fitness=1.0,
+                           timings={"evaluate_s": 2.0 + i, "candidate_us": 10.0, "baselines_us": {"host": 11.0},
+                                    "resolution": {"host": {"batch": 40 + i, "crossing_us": 290.0, "hold_expired": 0}}})
+    with sqlite3.connect(path) as conn:
+        for i in range(3):
+            conn.execute("UPDATE programs SET created_at = ? WHERE id = ?", (f"2026-12-06T06:00:{10 * i:02d}+00:00", i + 1))
+    spec = importlib.util.spec_from_file_location("search_rate", BENCH / "search_rate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run = module.summarize(path)
+    assert run["evaluations"] == 3 and run["steady_per_min"] == 6.0 and run["mean_evaluate_s"] == 3.0
+    assert [e["batch"] for e in run["per_evaluation"]] == [{"host": 40}, {"host": 41}, {"host": 42}]
+    assert run["per_evaluation"][0]["host_us"] == 11.0
