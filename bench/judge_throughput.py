@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--label", default="", help="a tag for the results file name, e.g. 'before'")
+    parser.add_argument("--unconfined", action="store_true", help="program processes without the optional confinement "
+                        "(namespaces, Landlock, dropped privileges): what the sealing costs, measured beside a default run")
     args = parser.parse_args()
     if args.candidates < 1:
         parser.error("--candidates must be >= 1")
@@ -55,6 +57,10 @@ def main() -> None:
     began = time.perf_counter()
     with WorkerPool(args.world, device=args.device, job_timeout_s=300, env=env) as pool:
         pool_start_s = time.perf_counter() - began
+        if args.unconfined:
+            dropped = pool.run("runtime_jobs:drop_confinement")
+            if not dropped.ok:
+                raise SystemExit(f"could not drop the confinement: {dropped.first_failure()}")
         evaluator = Evaluator(pool, workload, warmup=args.warmup, iters=args.iters)
         evaluator.evaluate(text, shape)  # the first: baseline checks (cached after), compile cache, imports
         per_candidate, fitness, phases, resolution = [], [], [], []
@@ -79,7 +85,7 @@ def main() -> None:
     phase_means = {k: statistics.mean(p.get(k, 0.0) for p in phases) for k in sorted({k for p in phases for k in p})}
     payload = {
         "device": args.device, "world": args.world, "shape": shape.label, "warmup": args.warmup, "iters": args.iters,
-        "candidates": args.candidates, "pool_start_s": pool_start_s, "seconds_per_candidate": per_candidate,
+        "candidates": args.candidates, "confined": not args.unconfined, "pool_start_s": pool_start_s, "seconds_per_candidate": per_candidate,
         "candidates_per_min": 60.0 / mean_s, "fitness_of_honest_copy": fitness,
         "evaluator_split_s": {k: statistics.mean(v) for k, v in split.items()}, "judge_phases_s": phase_means,
         "resolution": resolution,  # the candidate's calls per timed batch and a batch's crossing cost

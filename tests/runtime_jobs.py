@@ -55,3 +55,12 @@ def leave_a_cycle(ctx, nbytes: int) -> int:
     cycle: dict = {"block": torch.ones(nbytes, dtype=torch.uint8, device=ctx.device)}
     cycle["self"] = cycle
     return torch.cuda.memory_reserved(ctx.device)
+
+
+def drop_confinement(ctx) -> str:
+    """This judge's later program processes start with no optional confinement (no namespaces,
+    Landlock or dropped privileges): bench/judge_throughput.py --unconfined times what those cost."""
+    from commweave.runtime import candidate
+
+    candidate._CONFINEMENT = candidate.Confinement(network=False, filesystem=False, dropped="all, for a measurement")
+    return repr(candidate._CONFINEMENT)
