@@ -507,3 +507,24 @@ def test_a_baseline_killed_while_the_host_ran_out_of_memory_is_no_tampering(monk
     result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(), shape)
     assert result.verdict.failure == FailureClass.RUNTIME_ERROR, result.verdict.message
     assert "out-of-memory killer" in result.verdict.message and not pool.results
+
+
+def test_a_candidate_dying_while_the_host_ran_out_of_memory_says_so(monkeypatch):
+    """PKB #76 on 2 CPU ranks and 24 GB: the kernel's OOM killer took the solution's process (exit
+    code 137). Still the solution's failure, but its message names the host's memory, and a problem
+    table files it under 'host out of memory', not a crash."""
+    import commweave.evaluate.evaluator as evaluator_module
+    from commweave.evaluate.jobs import RankEvaluation
+    from commweave.problems.suite import cause_of
+
+    counts = iter([3, 4])
+    monkeypatch.setattr(evaluator_module, "host_oom_kills", lambda: next(counts))
+    died = Verdict.failed(FailureClass.RUNTIME_ERROR, "run(): rank 0's program process died (exit code 137)")
+    pool = _ScriptedPool(_passing_check(), JobResult("ok", [RankEvaluation(died, None), RankEvaluation(Verdict.passed(), None)],
+                                                     [None, None], elapsed_s=1.0))
+    result = Evaluator(pool, ToyGatherMatmul()).evaluate((PROGRAMS / "host.py").read_text(),
+                                                          ToyGatherMatmul().make_shape(4, 4, 4))
+    assert result.verdict.failure == FailureClass.RUNTIME_ERROR
+    assert evaluator_module.HOST_OUT_OF_MEMORY in result.verdict.message, result.verdict.message
+    assert cause_of(f"runtime_error: {result.verdict.message}") == "host out of memory"
+    assert cause_of("wrong_result: output differs") == "wrong_result" and cause_of(None) == "ok"

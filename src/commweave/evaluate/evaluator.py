@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import replace
 
 from commweave.evaluate.floor import MachineRates, below_floor, floor_s
 from commweave.evaluate.jobs import RankBench, RankCheck, RankEvaluation, resolve_workload, workload_ref
@@ -32,6 +33,8 @@ BENCH_JOB = "commweave.evaluate.jobs:bench_programs"
 EVALUATE_JOB = "commweave.evaluate.jobs:evaluate_program"  # check, then benchmark: one job, one start
 CANDIDATE = "candidate"  # the candidate's name in a benchmark beside the baselines
 JUDGE_SHARE = 0.8  # of a job's time limit, what its judges give its programs (then they report a timeout)
+#: said of a failure while the host's out-of-memory killer struck (/proc/vmstat's oom_kill rose)
+HOST_OUT_OF_MEMORY = "the host's out-of-memory killer struck during the evaluation"
 
 
 def job_failure(result: JobResult) -> Verdict:
@@ -61,6 +64,14 @@ def job_failure(result: JobResult) -> Verdict:
         what = f"{failure.error_type}: {failure.message}"
     cls = FailureClass.ILLEGAL_ADDRESS if failure.sticky else FailureClass.RUNTIME_ERROR
     return Verdict(False, cls, what + restarted, rank=rank, detail=failure.traceback)
+
+
+def _noting_host_memory(verdict: Verdict, host_ran_out: bool) -> Verdict:
+    """A program that died or stalled while the host ran out of memory: said in its message (a
+    machine too small for the problem reads apart from a crash; PKB #76-78 on a 24 GB host)."""
+    if not host_ran_out or verdict.failure not in (FailureClass.RUNTIME_ERROR, FailureClass.TIMEOUT):
+        return verdict
+    return replace(verdict, message=f"{verdict.message} ({HOST_OUT_OF_MEMORY})")
 
 
 def fresh_seed_base() -> int:
@@ -250,15 +261,15 @@ class Evaluator:
         result = self._run(EVALUATE_JOB, True, phases=2, workload=self.workload_ref, name=CANDIDATE, text=text,
                            baselines=runnable, check_shapes=shapes, seeds=[base + i for i in range(self.seeds)],
                            shape=shape, warmup=self.warmup, iters=self.iters)
+        host_ran_out = oom_kills is not None and (host_oom_kills() or 0) > oom_kills
         if not result.ok:
-            return EvalResult(0.0, job_failure(result), shape.label)
+            return EvalResult(0.0, _noting_host_memory(job_failure(result), host_ran_out), shape.label)
         ranks: list[RankEvaluation] = result.values
         verdict = merge_rank_verdicts([r.verdict for r in ranks])
         if not verdict.ok:
-            return EvalResult(0.0, verdict, shape.label)
+            return EvalResult(0.0, _noting_host_memory(verdict, host_ran_out), shape.label)
         benches = [r.bench for r in ranks if r.bench is not None]
         bench = self._bench_result(to_time, failed, {CANDIDATE: text, **runnable}, benches, shape)
-        host_ran_out = oom_kills is not None and (host_oom_kills() or 0) > oom_kills
         candidate = bench.programs[CANDIDATE]
         sabotaged = [n for n in to_time if n != CANDIDATE and not bench.programs[n].verdict.ok]
         late = [n for n in sabotaged if bench.programs[n].verdict.failure == FailureClass.TIMEOUT]
@@ -281,7 +292,8 @@ class Evaluator:
                 candidate = ProgramTiming(CANDIDATE, blame)
         baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines}
         if not candidate.verdict.ok:
-            return EvalResult(0.0, candidate.verdict, shape.label, candidate, None, baselines, bench.floor_us)
+            return EvalResult(0.0, _noting_host_memory(candidate.verdict, host_ran_out), shape.label, candidate, None,
+                              baselines, bench.floor_us)
         reference = next((n for n, t in baselines.items() if t.verdict.ok), None)
         if reference is None:
             why = "; ".join(f"{n}: {t.verdict.failure}: {t.verdict.message}" for n, t in baselines.items())

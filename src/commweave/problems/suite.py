@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from commweave.contracts.verdict import EvaluationError, InfrastructureError
+from commweave.evaluate.evaluator import HOST_OUT_OF_MEMORY
 from commweave.problems.format import Problem
 from commweave.problems.judge import Unsupported, judge
 from commweave.runtime.candidate import NOT_STARTED
@@ -25,7 +26,8 @@ SPEEDUP_BAND = (0.8, 1.25)  # a reference judged against itself should land here
 @dataclass
 class Row:
     """One problem's outcome. `cause`: 'ok', the failure class of a wrong solution, or why it could
-    not be judged ('needs CUDA', 'needs other ranks', 'reference fails', 'infrastructure')."""
+    not be judged ('needs CUDA', 'needs other ranks', 'reference fails', 'infrastructure', 'host out
+    of memory': a failure while the host's out-of-memory killer struck)."""
 
     problem: str
     solution: str
@@ -79,7 +81,7 @@ def run_problems(problems: list[Problem], world_size: int, device: str, solution
 def _judged(pool: WorkerPool, problem: Problem, path: Path, trials: int, warmup: int, iters: int) -> Row:
     try:
         verdict = judge(pool, problem, path.read_text(), trials=trials, warmup=warmup, iters=iters)
-        cause = "ok" if verdict.ok else (verdict.failure or "").split(":")[0]
+        cause = cause_of(verdict.failure)
         return Row(problem.name, str(path), cause, verdict.ok, verdict.speedup, verdict.reference_us,
                    verdict.solution_us, verdict.failure or "", 0.0)
     except Unsupported as exc:
@@ -87,6 +89,15 @@ def _judged(pool: WorkerPool, problem: Problem, path: Path, trials: int, warmup:
     except (EvaluationError, InfrastructureError) as exc:
         pool.restart()
         return Row(problem.name, str(path), "infrastructure", False, None, None, None, str(exc).splitlines()[0], 0.0)
+
+
+def cause_of(failure: str | None) -> str:
+    """A row's cause from a verdict's failure line ('<class>: <message>', None when correct)."""
+    if failure is None:
+        return "ok"
+    if HOST_OUT_OF_MEMORY in failure:
+        return "host out of memory"
+    return failure.split(":")[0]
 
 
 def summary(rows: list[Row]) -> dict[str, Any]:
