@@ -152,35 +152,48 @@ def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
     assert slow.ok and slow.speedup < 0.8, slow
 
 
-def test_inputs_whose_shape_varies_with_the_seed_are_named_in_one_line(pool: WorkerPool, tmp_path: Path) -> None:
-    """2 CPU ranks: PKB #70 draws a values tensor as long as the sum of random lengths; the judge's
-    buffers have one size per tensor, so the probe says which tensor varies instead of a run failing."""
-    varying = tmp_path / "ragged_sum.py"
-    varying.write_text(
-        "import torch\nimport torch.distributed as dist\n\n\n"
-        "def make_inputs(rank, world_size, seed, device):\n"
-        "    gen = torch.Generator().manual_seed(seed * 7 + rank)\n"
-        "    n = int(torch.randint(5, 5000, (1,), generator=gen))\n"
-        "    return (torch.ones(4), torch.randn(n, generator=gen).to(device))\n\n\n"
-        "def solution(scale, values):\n"
-        "    total = values.sum().reshape(1) * scale\n"
-        "    dist.all_reduce(total)\n"
-        "    return total\n")
-    with pytest.raises(Unsupported, match=r"input tensor t1 \(\d+,\) / \(\d+,\) changes shape with the seed") as caught:
-        probe(pool, load_problem(varying))
-    assert caught.value.cause == VARYING
+RAGGED = ("import torch\nimport torch.distributed as dist\n\n\n"
+          "def make_inputs(rank, world_size, seed, device):\n"
+          "    gen = torch.Generator().manual_seed(seed * 7 + rank)\n"
+          "    n = int(torch.randint(5, 500, (1,), generator=gen))\n"
+          "    return (torch.ones(4), torch.randn(n, generator=gen).to(device))\n\n\n"
+          "def solution(scale, values):\n"
+          "    total = values.sum().reshape(1) * scale\n"
+          "    dist.all_reduce(total)\n"
+          "    return total\n")
 
 
-def test_an_input_shape_the_probe_did_not_draw_is_named_in_one_line(pool: WorkerPool) -> None:
+def test_inputs_whose_shape_varies_with_the_seed_are_judged(pool: WorkerPool, tmp_path: Path) -> None:
+    """2 CPU ranks: PKB #70 draws a values tensor as long as the sum of random lengths. The judge's
+    buffers have one size per tensor, so such a tensor travels by value inside the skeleton (the
+    probe leaves room for twice its larger draw): the reference judges itself correct, and a
+    solution that drops the last value is caught."""
+    ragged = tmp_path / "ragged_sum.py"
+    ragged.write_text(RAGGED)
+    problem = load_problem(ragged)
+    layout = probe(pool, problem)
+    own = judge(pool, problem, RAGGED, trials=3, warmup=1, iters=3, layout=layout)
+    assert own.ok, own.failure
+    dropped = RAGGED.replace("values.sum()", "values[:-1].sum()")
+    wrong = judge(pool, problem, dropped, trials=3, warmup=1, iters=3, layout=layout)
+    assert not wrong.ok and wrong.failure.startswith("wrong_result"), wrong
+
+
+def test_an_input_shape_the_probe_did_not_draw_travels_by_value(pool: WorkerPool) -> None:
     """2 CPU ranks: PKB #85 leaves rank 1's tensor empty for 1 seed in 4, which the probe's two
     seeds may miss; the judge then meets the other shape while judging. Here the probe is told a
-    shape no seed draws: the verdict names the tensor (it broke the judge's pool before)."""
+    shape no seed draws: the tensor travels in the skeleton and the reference still judges itself
+    correct; with no room left in the skeleton, the verdict names the tensor in one line."""
     problem = load_problem(OWN)
     layout = probe(pool, problem)
     (name, shape), *rest = layout.inputs[1]
-    wrong = dataclasses.replace(layout, inputs=(layout.inputs[0], ((name, (shape[0] + 1, *shape[1:])), *rest)))
+    wrong = dataclasses.replace(layout, inputs=(layout.inputs[0], ((name, (shape[0] + 1, *shape[1:])), *rest)),
+                                args=(layout.args[0], 1 << 20))  # room for its 256 KiB by value
+    verdict = judge(pool, problem, OWN.read_text(), trials=2, warmup=1, iters=2, layout=wrong)
+    assert verdict.ok, verdict.failure
+    cramped = dataclasses.replace(wrong, args=layout.args)  # 4 KiB past the skeleton: too little
     with pytest.raises(Unsupported, match=rf"rank 1's input tensor {name} .* changes shape with the seed") as caught:
-        judge(pool, problem, OWN.read_text(), trials=2, warmup=1, iters=2, layout=wrong)
+        judge(pool, problem, OWN.read_text(), trials=2, warmup=1, iters=2, layout=cramped)
     assert caught.value.cause == VARYING
 
 

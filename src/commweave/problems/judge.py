@@ -57,19 +57,23 @@ class Verdict:
                 "solution_us": self.solution_us, "trials": self.trials, "world_size": self.world_size}
 
 
-def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, list[str], list[list[Any]]]:
+def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, int, list[list[Any]]]:
     """Judge job: this rank's result length on two fresh seeds, its skeleton's pickled bytes, the
-    input tensors whose shape differs between the two seeds, and the first seed's [name, shape]s."""
+    bytes of the input tensors whose shape differs between the two seeds (the larger draw), and
+    the first seed's [name, shape]s."""
     workers = reference_workers(Problem.from_json(problem), ctx.world_size, ctx.device.type)
-    lengths, skeleton, shapes = [], 0, []
+    lengths, skeleton, draws = [], 0, []
     for seed in (secrets.randbelow(1 << 30), secrets.randbelow(1 << 30)):
         tensors, packed = workers.request("inputs", seed, ctx.rank)
-        shapes.append({name: tuple(t.shape) for name, t in tensors.items()})
+        draws.append(tensors)
         skeleton = max(skeleton, len(skeleton_bytes(packed)))
         lengths.append(int(workers.request("reference", seed, ctx.rank).numel()))
-    varying = [f"{name} {shapes[0][name]} / {shapes[1].get(name)}" for name in shapes[0]
-               if shapes[0][name] != shapes[1].get(name)]
-    return lengths, skeleton, varying, [[name, list(shape)] for name, shape in shapes[0].items()]
+    varying = 0
+    for name, first in draws[0].items():
+        second = draws[1].get(name)
+        if second is None or second.shape != first.shape:
+            varying += max(t.numel() * t.element_size() for t in (first, second) if t is not None)
+    return lengths, skeleton, varying, [[name, list(t.shape)] for name, t in draws[0].items()]
 
 
 def _cause(message: str, device: str) -> str:
@@ -94,14 +98,11 @@ def probe(pool: WorkerPool, problem: Problem) -> Layout:
         if cause and cause[1].error_type not in (ReferenceError.__name__, "timeout"):
             raise EvaluationError(f"the judges could not probe problem {problem.name}: {cause[1].error_type}: {message}")
         raise Unsupported(_cause(message, pool.device), message.splitlines()[0] if message else "no message")
-    varying = next(((rank, value[2]) for rank, value in enumerate(result.values) if value[2]), None)
-    if varying is not None:
-        raise Unsupported(VARYING, f"rank {varying[0]}'s input tensor {varying[1][0]} changes shape with the seed; "
-                                   "the judge shares inputs in buffers of one size per tensor")
     lengths = [value[0] for value in result.values]
     fixed = all(len(set(ls)) == 1 for ls in lengths)
     out = tuple(ls[0] if fixed else 2 * max(ls) for ls in lengths)
-    args = tuple(HEADER + 2 * value[1] + ARGS_ROOM for value in result.values)
+    # room for the skeleton twice over, plus tensors that vary with the seed by value, twice over
+    args = tuple(HEADER + 2 * (value[1] + value[2]) + ARGS_ROOM for value in result.values)
     inputs = tuple(tuple((name, tuple(shape)) for name, shape in value[3]) for value in result.values)
     return Layout(out, args, fixed, inputs)
 
@@ -116,7 +117,7 @@ def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5,
         result = evaluator.evaluate(program, workload.shape)
     except EvaluationError as exc:
         message = str(exc).splitlines()[0]
-        if message.startswith(f"{VARYING}: "):  # a shape the probe's two seeds did not draw
+        if message.startswith(f"{VARYING}: "):  # a tensor that varies beyond the room of the skeleton
             raise Unsupported(VARYING, message.removeprefix(f"{VARYING}: ")) from exc
         raise Unsupported("reference fails", message) from exc
     reference = result.baselines.get("reference")

@@ -111,6 +111,25 @@ def unpack_skeleton(packed: torch.Tensor) -> Any:
     return pickle.loads(raw[HEADER:HEADER + size])
 
 
+def inline_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The skeleton with the leaves of `tensors` replaced by their values (pickled by value with
+    it): a tensor whose shape changes with the seed travels this way, since the judge's shared
+    buffers have one size per tensor."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, TensorLeaf) and value.name in tensors:
+            return tensors[value.name].detach().clone().requires_grad_(value.requires_grad)
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(walk(v) for v in value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return walk(skeleton)
+
+
 def rebuild_args(skeleton: Any, tensors: dict[str, torch.Tensor], group: Callable[[int | None], Any]) -> tuple:
     """The arguments again: each tensor leaf from `tensors`, each group leaf through `group`."""
 

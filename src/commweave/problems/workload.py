@@ -26,19 +26,21 @@ from commweave.contracts.workload import Cost, Shape, Workload
 from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
 from commweave.problems.service import ReferenceWorkers
-from commweave.problems.values import ARGS, pack_skeleton
+from commweave.problems.values import ARGS, inline_tensors, pack_skeleton
 
 PREFIX = "problem_"
 REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
 CACHED_SEEDS = 16
-VARYING = "inputs vary in shape"  # the cause of a problem whose input tensors change shape with the seed
+VARYING = "inputs vary in shape"  # the cause of a problem whose varying input tensors do not fit the skeleton's room
 
 
 @dataclass(frozen=True)
 class Layout:
     """Per rank: the output's capacity and the skeleton's bytes; `fixed`: every seed's result
     has exactly that length (no untouched tail); `inputs`: per rank, each tensor argument's shape
-    as the probe drew it (the judge's buffers have that size)."""
+    as the probe drew it (the judge's buffers have that size); a tensor drawn in another shape
+    travels by value inside the skeleton, whose room counts twice the bytes of those the probe saw
+    vary."""
 
     out: tuple[int, ...]
     args: tuple[int, ...]
@@ -106,14 +108,24 @@ class ProblemWorkload(Workload):
         return reference_workers(self.problem, world_size, device.type)
 
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """This rank's tensors in the judge's buffers (their probed shapes), and the skeleton. A
+        tensor drawn in another shape (PKB #70: a ragged values tensor; #85: a rank empty 1 seed
+        in 4) travels by value in the skeleton, its buffer left zero."""
         tensors, skeleton = self._workers(world_size, device).request("inputs", seed, rank)
-        for name, probed in self.layout.inputs[rank]:
-            drawn = tuple(tensors[name].shape) if name in tensors else None
-            if drawn != probed:  # a shape the probe's seeds did not draw (PKB #85: an empty rank, 1 seed in 4)
-                raise WorkloadError(f"{VARYING}: rank {rank}'s input tensor {name} {probed} / {drawn} changes shape "
-                                    "with the seed; the judge shares inputs in buffers of one size per tensor")
-        inputs = {k: v.to(device) for k, v in tensors.items()}
-        inputs[ARGS] = pack_skeleton(skeleton, self.layout.args[rank]).to(device)
+        probed = dict(self.layout.inputs[rank])
+        missing = sorted(set(probed) - set(tensors))
+        if missing or len(tensors) != len(probed):
+            raise WorkloadError(f"{VARYING}: rank {rank}'s input tensors {sorted(tensors)} are not the probe's "
+                                f"{sorted(probed)} (their number changes with the seed)")
+        moved = {name: t.to(device) for name, t in tensors.items() if tuple(t.shape) != probed[name]}
+        inputs = {name: torch.zeros(probed[name], dtype=t.dtype, device=device) if name in moved else t.to(device)
+                  for name, t in tensors.items()}
+        try:
+            inputs[ARGS] = pack_skeleton(inline_tensors(skeleton, moved), self.layout.args[rank]).to(device)
+        except ValueError as exc:
+            what = ", ".join(f"{n} {tuple(t.shape)} (probed {probed[n]})" for n, t in moved.items())
+            raise WorkloadError(f"{VARYING}: rank {rank}'s input tensor {what} changes shape with the seed and "
+                                f"does not fit the room its first draws left: {exc}") from exc
         return inputs
 
     def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
