@@ -611,10 +611,11 @@ def test_freeze_stops_a_whole_tree_until_thaw():
         def states():
             return {Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] for p in everyone}
 
-        confine.freeze(tree.pid)
+        stopped = confine.freeze(tree.pid)
+        assert stopped == everyone
         time.sleep(0.1)
         assert states() == {"T"}
-        confine.thaw(tree.pid)
+        confine.thaw(stopped)
         time.sleep(0.1)
         assert "T" not in states()
     finally:

@@ -324,7 +324,7 @@ class ProgramProcess:
     #: CPU judges: stop the program's process group the moment an answer arrives and continue it
     #: with the next request, so what the judge reads (outputs, inputs) is what existed at the reply
     stop_at_reply: bool = False
-    stopped: bool = False
+    stopped: frozenset[int] = frozenset()  # what the last stop froze, until resumed
     replied_at: float = 0.0  # perf_counter() when the last answer arrived (before any stop)
     program_pid: int | None = None  # below `pid` (its namespace's init) in a pid namespace; else `pid` itself
 
@@ -415,8 +415,7 @@ class ProgramProcess:
         """Stop the program's processes (`confine.freeze`: its pid namespace's init and all below
         it, or its tree) and wait (until `deadline`) for every thread of the program process to be
         stopped."""
-        confine.freeze(self.pid)
-        self.stopped = True
+        self.stopped = confine.freeze(self.pid)
         target = self.program_pid or self.pid
         while time.monotonic() < deadline and not _all_threads_stopped(target):
             time.sleep(0.0001)
@@ -424,8 +423,8 @@ class ProgramProcess:
     def resume(self) -> None:
         """Continue what `stop` stopped."""
         if self.stopped:
-            self.stopped = False
-            confine.thaw(self.pid)
+            confine.thaw(self.stopped)
+            self.stopped = frozenset()
 
     def close(self) -> int:
         """Kill the program process's whole tree (its pid namespace with it), wait until it has
