@@ -18,7 +18,7 @@ from commweave.evaluate import CANDIDATE, EvaluationError, Evaluator, FailureCla
 from commweave.evaluate.timing import MAX_BATCH
 from commweave.runtime import WorkerPool
 from toy_workload import (
-    ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithUnavailableBaseline, ToyZeroReference,
+    ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithTwoBaselines, ToyWithUnavailableBaseline, ToyZeroReference,
 )
 from worker_env import worker_env
 
@@ -207,6 +207,16 @@ def test_unavailable_baseline_is_reported_and_skipped(pool):
     assert result.baseline == "host" and result.fitness > 0
     assert result.baselines["unavailable"].verdict.failure == FailureClass.UNAVAILABLE
     assert list(result.baselines) == ["unavailable", "host"]
+
+
+def test_a_search_times_only_the_fitness_baseline_beside_a_candidate(pool):
+    result = Evaluator(pool, ToyWithTwoBaselines(), warmup=1, iters=3, fitness_baseline_only=True).evaluate(
+        program("host"), BENCH_SHAPE)
+    assert result.verdict.ok, result.verdict.message
+    assert result.baseline == "host" and list(result.baselines) == ["host"]  # 'slow' (50 ms a call) not run
+    skipped_first = Evaluator(pool, ToyWithUnavailableBaseline(), warmup=1, iters=3,
+                              fitness_baseline_only=True).evaluate(program("host"), BENCH_SHAPE)
+    assert skipped_first.baseline == "host" and list(skipped_first.baselines) == ["unavailable", "host"]
 
 
 def test_a_broken_workload_fails_every_program_as_the_harness(pool):

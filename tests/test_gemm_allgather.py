@@ -15,6 +15,7 @@ import torch
 from cuda_host import run_host_check, toolchain_or_skip
 from program_jobs import check_on_gpus
 from commweave.contracts.program import parse_program
+from commweave.contracts.workload import bf16_product
 from commweave.runtime import WorkerPool
 from commweave.runtime.compile import compile_cubin
 from commweave.workloads import get_workload
@@ -121,6 +122,27 @@ def test_reference(wl: GemmAllGather, world: int) -> None:
         got = wl.reference(s, world, rank, 7, CPU)
         assert got.dtype == torch.float32 and got.shape == (s["M"], s["N"] // world)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_product_takes_bf16_operands_only() -> None:
+    a, b = torch.randn(8, 16).bfloat16(), torch.randn(16, 4).bfloat16()
+    assert torch.equal(bf16_product(a, b), a.float() @ b.float())
+    with pytest.raises(ValueError, match="bf16 operands"):
+        bf16_product(a.float(), b.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 GPU")
+def test_bf16_product_on_tensor_cores_is_as_accurate_as_fp32() -> None:
+    """1 GPU. The reference's TF32 products of bf16 values are exact: against fp64, its error is
+    FP32 accumulation's (~1e-6 relative), far below TF32 rounding of general FP32 operands (~1e-3),
+    and the caller's matmul precision is left as it was."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a, b = (torch.randn(2048, 2048, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    want = a.double() @ b.double()
+    got = bf16_product(a, b)
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
 
 
 # -- programs -------------------------------------------------------------------------------------

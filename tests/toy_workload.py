@@ -68,6 +68,12 @@ class ToyWithUnavailableBaseline(ToyGatherMatmul):
     baselines = ("unavailable", "host")
 
 
+class ToyWithTwoBaselines(ToyGatherMatmul):
+    """Fitness is measured against 'host'; 'slow' is a second baseline a search need not time."""
+
+    baselines = ("host", "slow")
+
+
 class ToyWithoutBaseline(ToyGatherMatmul):
     """No baseline can run, so no fitness can be measured."""
 

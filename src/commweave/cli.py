@@ -384,8 +384,9 @@ def evolve(
     seed: int = typer.Option(0, "--seed", help="random seed of the search"),
     resume: Path = typer.Option(None, "--resume", help="a run database to continue (its workload, shape, GPUs and budget)"),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="where a new run's database goes"),
-    iters: int = typer.Option(20, "--iters", min=1, help="timed iterations per candidate"),
-    warmup: int = typer.Option(5, "--warmup", min=1),
+    iters: int = typer.Option(None, "--iters", min=1, help="timed batches per program of each candidate "
+                              "(default 10; each >= 12 ms on GPUs)"),
+    warmup: int = typer.Option(None, "--warmup", min=1, help="warm-up batches (default 3)"),
     seeds: int = typer.Option(2, "--seeds", min=2, help="fresh random inputs per correctness check"),
     compile_workers: int = typer.Option(8, "--compile-workers", min=1, help="CPU threads compiling ahead of the GPUs"),
     job_timeout: float = typer.Option(120.0, "--job-timeout", help="seconds before a hung candidate is killed"),
@@ -469,7 +470,8 @@ def evolve(
         cap = f"${plan.llm_budget_usd:g}" if plan.llm_budget_usd is not None else "the run's" if plan.resumed else "no cap"
         console.print(f"LLM islands: {plan.config.llm_islands} of {plan.config.islands} "
                       f"({', '.join(m.name for m in models)}; budget {cap})", highlight=False)
-    evaluation = dict(iters=iters, warmup=warmup, seeds=seeds, job_timeout_s=job_timeout)
+    evaluation = dict(seeds=seeds, job_timeout_s=job_timeout, **{k: v for k, v in (("iters", iters), ("warmup", warmup))
+                                                                 if v is not None})
     try:
         with ExitStack() as stack:
             progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),

@@ -83,7 +83,8 @@ class Evaluator:
     """Judges programs of one workload on one pool."""
 
     def __init__(self, pool: WorkerPool, workload: Workload, *, seeds: int = 3, warmup: int = 5, iters: int = 20,
-                 rates: MachineRates | None = None, job_timeout_s: float | None = None):
+                 rates: MachineRates | None = None, job_timeout_s: float | None = None,
+                 fitness_baseline_only: bool = False):
         if seeds < 2:
             raise ValueError(f"seeds must be >= 2 (consecutive runs on fresh inputs catch cached outputs), got {seeds}")
         if warmup < 0 or iters < 1:
@@ -100,6 +101,10 @@ class Evaluator:
         self.iters = iters
         self.rates = rates or MachineRates()
         self.job_timeout_s = job_timeout_s
+        #: `evaluate` times beside the candidate only the baseline its fitness is measured against
+        #: (the first that passes its checks), not every baseline: a search's choice, one program
+        #: process and a third of the benchmark less per candidate with two baselines
+        self.fitness_baseline_only = fitness_baseline_only
         self._baseline_checks: dict[tuple[str, tuple[str, ...]], Verdict] = {}
         #: where the judges' time went in the last `evaluate` (or check/benchmark since): seconds
         #: per phase (program process start, process group init, setup, checks, timing), the
@@ -253,6 +258,8 @@ class Evaluator:
             baseline_verdict = self._baseline_check(name, baseline_text, shapes)
             if baseline_verdict.ok:
                 to_time[name] = baseline_text
+                if self.fitness_baseline_only:
+                    break
             else:
                 baselines[name] = ProgramTiming(name, baseline_verdict)
         failed, runnable = self._compiled({n: t for n, t in to_time.items() if n != CANDIDATE})
@@ -290,7 +297,8 @@ class Evaluator:
                 else:
                     blame = Verdict.failed(FailureClass.TAMPERING, f"baseline {n!r} failed beside it {why} and passes alone")
                 candidate = ProgramTiming(CANDIDATE, blame)
-        baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines}
+        baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines
+                     if name in baselines or name in bench.programs}
         if not candidate.verdict.ok:
             return EvalResult(0.0, _noting_host_memory(candidate.verdict, host_ran_out), shape.label, candidate, None,
                               baselines, bench.floor_us)

@@ -23,6 +23,10 @@ from commweave.search.pools import LocalPools, Placement, Pools
 from commweave.space import Template
 
 RUNS_DIR = Path("runs")
+#: timed and warm-up batches per program of each candidate (`commweave evolve --iters/--warmup`):
+#: a timed batch lasts >= 12 ms on GPUs and is the mean of its calls, so a candidate's median
+#: rests on hundreds of calls with 10 as with 20, at about half the judge's time per candidate
+SEARCH_ITERS, SEARCH_WARMUP = 10, 3
 
 
 def template_for(workload: Any) -> Template:
@@ -152,8 +156,8 @@ def plan_run(workload: str, *, gpus: int = 4, budget: str = "200", shape: str | 
                    resume is not None)
 
 
-def run_on_pools(plan: RunPlan, pools: Sequence[Any], *, iters: int = 20, warmup: int = 5, seeds: int = 2,
-                 job_timeout_s: float | None = None, progress: Any = None, labels: Sequence[str] = ()):
+def run_on_pools(plan: RunPlan, pools: Sequence[Any], *, iters: int = SEARCH_ITERS, warmup: int = SEARCH_WARMUP,
+                 seeds: int = 2, job_timeout_s: float | None = None, progress: Any = None, labels: Sequence[str] = ()):
     """Measure the first pool's machine (rates for the floor, capabilities and facts for the
     proposers), then `evolve` the plan with one real Evaluator per worker pool, a candidate in
     flight on each (`labels` name the pools, e.g. their GPUs). Returns what `evolve` returns."""
@@ -172,7 +176,7 @@ def run_on_pools(plan: RunPlan, pools: Sequence[Any], *, iters: int = 20, warmup
                                                                          ("lsa_size", "LSA (NVLink) team size"))
                                       if key in info}}
     evaluators = [Evaluator(pool, plan.template.workload, seeds=seeds, warmup=warmup, iters=iters, rates=rates,
-                            job_timeout_s=job_timeout_s) for pool in pools]
+                            job_timeout_s=job_timeout_s, fitness_baseline_only=True) for pool in pools]
     names = list(labels) or [f"pool{i}" for i in range(len(pools))]
     local = LocalPools([(ev, Placement(name, socket.gethostname())) for ev, name in zip(evaluators, names)],
                        infrastructure_errors=(PoolStartError,))
@@ -195,10 +199,10 @@ def node_evaluator(workload: str, world: int, iters: int, warmup: int, seeds: in
     pool = WorkerPool(world, job_timeout_s=job_timeout_s or 120.0)
     pool.start()
     return Evaluator(pool, get_workload(workload), seeds=seeds, warmup=warmup, iters=iters, rates=calibrate(pool),
-                     job_timeout_s=job_timeout_s)
+                     job_timeout_s=job_timeout_s, fitness_baseline_only=True)
 
 
-def run_on_cluster(plan: RunPlan, address: str, *, iters: int = 20, warmup: int = 5, seeds: int = 2,
+def run_on_cluster(plan: RunPlan, address: str, *, iters: int = SEARCH_ITERS, warmup: int = SEARCH_WARMUP, seeds: int = 2,
                    job_timeout_s: float | None = None, progress: Any = None):
     """`evolve` the plan on a Ray cluster (`address`: "auto" or host:port): one pool per `plan.gpus`
     GPUs the cluster has, each a Ray actor on one node (`search.ray_pools`). The workload must be

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, check_matmul_operands, checked_tensor,
-                                          input_names, seeded_generator)
+from commweave.contracts.workload import (LOSSY_TOLERANCE, Cost, Shape, Workload, bf16_product, check_matmul_operands,
+                                          checked_tensor, input_names, seeded_generator)
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
 LLAMA70B_N_LOCAL = 3584  # Llama-3-70B MLP up-projection (28672 wide) split over 8, per rank
@@ -87,7 +87,7 @@ class GemmAllGather(Workload):
     def reference(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
         a_full = torch.cat([self.make_inputs(shape, world_size, r, seed, device)["a"] for r in range(world_size)])
         b = self.make_inputs(shape, world_size, rank, seed, device)["b"]
-        return torch.matmul(a_full.float(), b.float())
+        return bf16_product(a_full, b)
 
     def cost(self, shape: Shape, world_size: int) -> Cost:
         m, k, n_local = shape["M"], shape["K"], shape["N"] // world_size

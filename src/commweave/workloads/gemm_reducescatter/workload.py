@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from commweave.contracts.workload import (Cost, Shape, Workload, check_matmul_operands, checked_tensor, input_names,
-                                          seeded_generator)
+from commweave.contracts.workload import (Cost, Shape, Workload, bf16_product, check_matmul_operands, checked_tensor,
+                                          input_names, seeded_generator)
 
 SQUARE_SIZES = (2048, 4096, 8192, 16384)
 LLAMA70B_N = 8192  # Llama-3-70B hidden size: the MLP down-projection's output width
@@ -96,7 +96,7 @@ class GemmReduceScatter(Workload):
         total = torch.zeros(rows, shape["N"], dtype=torch.float32, device=device)
         for r in range(world_size):
             x = self.make_inputs(shape, world_size, r, seed, device)
-            total += torch.matmul(x["a"][block].float(), x["b"].float())
+            total += bf16_product(x["a"][block], x["b"])
         return total
 
     def cost(self, shape: Shape, world_size: int) -> Cost:
