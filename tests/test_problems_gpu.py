@@ -1,0 +1,41 @@
+"""The problem judge on one GPU (W = 1, NCCL): our own problem against itself, a wrong solution, one
+returning another trial's output and one doing the work twice, told apart as on CPU
+(test_problems_cpu.py). At W = 1 the CPU suite's wrong solution (no all-gather) is right, so the
+wrong one here is off by 1 %, ten times the problem's tolerance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from commweave.problems.format import load_problem
+from commweave.problems.judge import judge, probe
+from commweave.runtime.pool import WorkerPool
+
+HERE = Path(__file__).parent / "problems"
+OWN = HERE / "allgather_matmul.py"
+SOLUTIONS = HERE / "solutions"
+WRONG_AT_ONE_RANK = ("import torch\nimport torch.distributed as dist\n\n\n"
+                     "def solution(a, b):\n"
+                     "    parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]\n"
+                     "    dist.all_gather(parts, a)\n"
+                     "    return (torch.cat(parts) @ b) * 1.01\n")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")
+def test_judge_tells_right_wrong_stale_and_slow_apart_on_one_gpu() -> None:
+    """1 GPU."""
+    problem = load_problem(OWN)
+    with WorkerPool(1, "cuda", job_timeout_s=300) as pool:
+        layout = probe(pool, problem)
+        assert layout.fixed and layout.out == (128 * 256 + 1,)
+        itself = judge(pool, problem, OWN.read_text(), layout=layout)
+        assert itself.ok and 0.8 < itself.speedup < 1.25, itself
+        for text in (WRONG_AT_ONE_RANK, (SOLUTIONS / "stale.py").read_text()):
+            verdict = judge(pool, problem, text, layout=layout)
+            assert not verdict.ok and verdict.failure.startswith("wrong_result"), verdict
+        slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), layout=layout)
+        assert slow.ok and slow.speedup < 0.8, slow
