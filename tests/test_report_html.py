@@ -38,7 +38,8 @@ def test_report_holds_plots_tables_code_and_lineage(run, tmp_path):
     assert "src=\"http" not in text and "<script" not in text  # self-contained
     for words in ("gemm-allgather", "8192x8192x8192", "against the baselines and the floor", "host (fitness baseline)",
                   "floor / ours", "timeout", "nan", "Lineage", "changed from its parent", "EVOLVE-BLOCK-START",
-                  "knob threads", "commweave-directives", "candidates / minute", "waiting for compiles"):
+                  "knob threads", "commweave-directives", "candidates / minute", "waiting for compiles",
+                  "times only its fitness baseline"):
         assert words in text, words
     with ProgramDB(run) as db:
         best = db.best()

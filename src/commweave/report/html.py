@@ -227,6 +227,9 @@ def write_report(db_path: str | Path, out_dir: str | Path | None = None) -> Path
         parts.append(_table(["program", f"{measured} µs", "ours faster by"], rows))
         if floor and ours:
             parts.append(f"<p>floor / ours = {floor / ours:.2f}; fitness {best.fitness:.3f}</p>")
+        if len(t.get("baselines_us") or {}) == 1:
+            parts.append(f"<p>A search times only its fitness baseline beside each candidate: <code>commweave bench "
+                         f"{html.escape(str(meta.get('workload')))}</code> times every baseline.</p>")
 
     if calls:
         parts.append("<h2>LLM calls</h2>")
