@@ -18,7 +18,8 @@ from commweave.evaluate import CANDIDATE, EvaluationError, Evaluator, FailureCla
 from commweave.evaluate.timing import MAX_BATCH
 from commweave.runtime import WorkerPool
 from toy_workload import (
-    ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithTwoBaselines, ToyWithUnavailableBaseline, ToyZeroReference,
+    ToyGatherMatmul, ToyOnlyInTheParent, ToyWithoutBaseline, ToyWithTwoBaselines, ToyWithUnavailableBaseline,
+    ToyZeroReference,
 )
 from worker_env import worker_env
 

@@ -297,8 +297,8 @@ class Evaluator:
                 else:
                     blame = Verdict.failed(FailureClass.TAMPERING, f"baseline {n!r} failed beside it {why} and passes alone")
                 candidate = ProgramTiming(CANDIDATE, blame)
-        baselines = {name: baselines[name] if name in baselines else bench.programs[name] for name in self.workload.baselines
-                     if name in baselines or name in bench.programs}
+        baselines = {name: baselines[name] if name in baselines else bench.programs[name]
+                     for name in self.workload.baselines if name in baselines or name in bench.programs}
         if not candidate.verdict.ok:
             return EvalResult(0.0, _noting_host_memory(candidate.verdict, host_ran_out), shape.label, candidate, None,
                               baselines, bench.floor_us)

@@ -202,8 +202,8 @@ def node_evaluator(workload: str, world: int, iters: int, warmup: int, seeds: in
                      job_timeout_s=job_timeout_s, fitness_baseline_only=True)
 
 
-def run_on_cluster(plan: RunPlan, address: str, *, iters: int = SEARCH_ITERS, warmup: int = SEARCH_WARMUP, seeds: int = 2,
-                   job_timeout_s: float | None = None, progress: Any = None):
+def run_on_cluster(plan: RunPlan, address: str, *, iters: int = SEARCH_ITERS, warmup: int = SEARCH_WARMUP,
+                   seeds: int = 2, job_timeout_s: float | None = None, progress: Any = None):
     """`evolve` the plan on a Ray cluster (`address`: "auto" or host:port): one pool per `plan.gpus`
     GPUs the cluster has, each a Ray actor on one node (`search.ray_pools`). The workload must be
     installed on every node; the database stays here. Returns what `evolve` returns."""
