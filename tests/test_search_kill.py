@@ -80,3 +80,33 @@ def test_sigkill_of_the_search_leaves_no_worker(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_of_a_command_tears_its_pool_down(tmp_path) -> None:
+    """SIGTERM (a scheduler, `timeout`) interrupts a command like Ctrl-C: its judges and their
+    program processes are killed at once, not after the job, and the pool's folder is removed."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    problem = TESTS / "problems" / "allgather_matmul.py"
+    proc = subprocess.Popen([sys.executable, "-m", "commweave", "judge", str(problem), str(problem), "--gpus", "2",
+                             "--device", "cpu", "--iters", "1000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(temp)})
+    try:
+        deadline = time.monotonic() + 120
+        workers: set[int] = set()
+        while time.monotonic() < deadline:  # judges, a zygote each and program processes running
+            workers = _descendants(proc.pid)
+            if len(workers) >= 6:
+                break
+            time.sleep(0.2)
+        assert len(workers) >= 4, f"the command never started its workers: {workers}"
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 130  # an interrupt's exit code, as after Ctrl-C
+        time.sleep(2)
+        left = sorted(pid for pid in workers if _alive(pid))
+        assert not left, f"processes alive after SIGTERM of the command: {left}"
+        assert not list(temp.iterdir())
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -8,7 +8,9 @@ paid for.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -70,8 +72,12 @@ console = _Console(soft_wrap=True)
 
 @app.callback()
 def _safe_environment() -> None:
-    """NVLink multicast stays off in this process and every worker it starts."""
+    """NVLink multicast stays off in this process and every worker it starts; SIGTERM (a scheduler,
+    `timeout`, `kill`) interrupts like Ctrl-C, so worker pools are torn down and their folders
+    removed instead of left behind."""
     apply_safe_env()
+    if threading.current_thread() is threading.main_thread():  # only there can Python take a signal
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def _say_error(message: str) -> None:

@@ -255,8 +255,11 @@ class WorkerPool:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            self._kill()  # interrupted: judges mid-job would finish it first (up to `close`'s 30 s)
+        else:
+            self.close()
 
     @property
     def running(self) -> bool:
