@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -56,20 +57,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _running_workers(proc: subprocess.Popen, ready: Callable[[], bool]) -> set[int]:
+    """The processes below `proc` once its judges, a zygote each and program processes run (and
+    `ready()` holds), within 120 s."""
+    deadline = time.monotonic() + 120
+    workers: set[int] = set()
+    while time.monotonic() < deadline:
+        workers = _descendants(proc.pid)
+        if len(workers) >= 6 and ready():
+            break
+        time.sleep(0.2)
+    assert len(workers) >= 4, f"the workers never started: {workers}"
+    return workers
+
+
 def test_sigkill_of_the_search_leaves_no_worker(tmp_path) -> None:
     temp = tmp_path / "tmp"  # the search's temp folder: what the killed search leaves goes with tmp_path
     temp.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", SEARCH, str(tmp_path / "run.sqlite"), str(TESTS)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(temp)})
     try:
-        deadline = time.monotonic() + 120
-        workers: set[int] = set()
-        while time.monotonic() < deadline:  # judges, a zygote each and program processes running
-            workers = _descendants(proc.pid)
-            if len(workers) >= 6 and (tmp_path / "run.sqlite").exists():
-                break
-            time.sleep(0.2)
-        assert len(workers) >= 4, f"the search never started its workers: {workers}"
+        workers = _running_workers(proc, lambda: (tmp_path / "run.sqlite").exists())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         time.sleep(5)
@@ -92,14 +100,7 @@ def test_sigterm_of_a_command_tears_its_pool_down(tmp_path) -> None:
                              "--device", "cpu", "--iters", "1000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(temp)})
     try:
-        deadline = time.monotonic() + 120
-        workers: set[int] = set()
-        while time.monotonic() < deadline:  # judges, a zygote each and program processes running
-            workers = _descendants(proc.pid)
-            if len(workers) >= 6:
-                break
-            time.sleep(0.2)
-        assert len(workers) >= 4, f"the command never started its workers: {workers}"
+        workers = _running_workers(proc, lambda: True)
         os.kill(proc.pid, signal.SIGTERM)
         proc.communicate(timeout=30)
         assert proc.returncode == 130  # an interrupt's exit code, as after Ctrl-C
