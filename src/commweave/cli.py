@@ -423,7 +423,7 @@ def evolve(
     from commweave.contracts.verdict import EvaluationError
     from commweave.runtime import PoolStartError, WorkerPool
     from commweave.runtime.capabilities import cuda_device_count
-    from commweave.search.driver import plan_run, run_meta, run_on_cluster, run_on_pools
+    from commweave.search.driver import SEARCH_ITERS, SEARCH_WARMUP, plan_run, run_meta, run_on_cluster, run_on_pools
     from commweave.search.pools import split_gpus
 
     if (workload is None) == (problem is None):
@@ -476,8 +476,8 @@ def evolve(
         cap = f"${plan.llm_budget_usd:g}" if plan.llm_budget_usd is not None else "the run's" if plan.resumed else "no cap"
         console.print(f"LLM islands: {plan.config.llm_islands} of {plan.config.islands} "
                       f"({', '.join(m.name for m in models)}; budget {cap})", highlight=False)
-    evaluation = dict(seeds=seeds, job_timeout_s=job_timeout, **{k: v for k, v in (("iters", iters), ("warmup", warmup))
-                                                                 if v is not None})
+    evaluation = dict(iters=SEARCH_ITERS if iters is None else iters, warmup=SEARCH_WARMUP if warmup is None else warmup,
+                      seeds=seeds, job_timeout_s=job_timeout)
     try:
         with ExitStack() as stack:
             progress = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
