@@ -9,6 +9,7 @@ import dataclasses
 import json
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +17,13 @@ from typer.testing import CliRunner
 
 from commweave.agents.problem_binding import Binding, Unbound, bind_trace
 from commweave.cli import app
+from commweave.contracts.workload import Shape
 from commweave.problems.format import ProblemError, load_problem, problems_in
 from commweave.problems.judge import VARYING, Unsupported, judge, probe
+from commweave.problems.program import Bound
 from commweave.problems.values import (
-    GroupLeaf, flatten_args, flatten_result, pack_skeleton, rebuild_args, unpack_skeleton,
+    ARGS, GroupLeaf, TensorLeaf, constant_key, flatten_args, flatten_result, pack_skeleton, rebuild_args,
+    skeleton_bytes, skeleton_from_bytes, unpack_skeleton,
 )
 from commweave.runtime.pool import WorkerPool
 
@@ -117,8 +121,6 @@ def test_a_solution_that_makes_its_groups_on_every_call_gets_the_first_ones(
 
     import torch.distributed as dist
 
-    from commweave.problems.program import Bound
-
     monkeypatch.setattr(dist, "new_group", dist.new_group)  # restored after the test
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Bound's copy of the source
     source = ("import torch\nimport torch.distributed as dist\n"
@@ -127,7 +129,8 @@ def test_a_solution_that_makes_its_groups_on_every_call_gets_the_first_ones(
               "    return torch.stack([x.sum(), torch.tensor(float(a is b))])\n")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        bound = Bound(source, ctx=None)
+        bound = Bound(source, SimpleNamespace(rank=0), Shape("any"))
+        assert bound.constant is None
         first = bound.solution(torch.ones(3))
         again = bound.solution(torch.ones(3))
         assert first.tolist() == [3.0, 1.0] and again.tolist() == [3.0, 1.0]
@@ -135,6 +138,40 @@ def test_a_solution_that_makes_its_groups_on_every_call_gets_the_first_ones(
         assert dist.new_group([0], timeout=None) is not bound.groups[(0,)]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_constant_skeleton_comes_in_the_shape_and_is_never_read_back(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ranks: where the probe saw a rank's arguments constant, the program gets them once, in
+    the shape, and never reads the `args` input (on a GPU that read waits for the judge's hold
+    and stalled every batch). The input here is on the meta device, which cannot be read."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Bound's copy of the source
+    skeleton = ((TensorLeaf("t0", False), 2.0), [])
+    source = "def solution(x, scale):\n    return x * scale\n"
+    inputs = {"t0": torch.ones(3), ARGS: torch.empty(64, dtype=torch.uint8, device="meta")}
+    out = torch.empty(4)
+    shape = Shape("any", {constant_key(0): skeleton_bytes(skeleton).hex(), constant_key(1): "00"})
+    Bound(source, SimpleNamespace(rank=0), shape).run(inputs, out)
+    assert out.tolist() == [2.0, 2.0, 2.0, 1.0]
+    with pytest.raises(NotImplementedError):  # no constant for this rank: read back from the input
+        Bound(source, SimpleNamespace(rank=2), shape).run(inputs, out)
+
+
+def test_the_probe_marks_constant_arguments_and_a_change_is_judged_again(pool: WorkerPool) -> None:
+    """2 CPU ranks: our problem's arguments never change with the seed, so the probe gives each
+    rank's skeleton (a ragged problem's it does not, below). When a draw differs from
+    what the probe saw (here a skeleton the problem never draws), the judge judges again reading
+    every call's arguments from its inputs, and the verdict is the same."""
+    problem = load_problem(OWN)
+    layout = probe(pool, problem)
+    assert all(layout.constant)
+    (a, b), order = skeleton_from_bytes(bytes.fromhex(layout.constant[0]))
+    swapped = skeleton_bytes(((b, a), order)).hex()
+    verdict = judge(pool, problem, OWN.read_text(), trials=2, warmup=1, iters=3,
+                    layout=dataclasses.replace(layout, constant=(swapped, swapped)))
+    assert verdict.ok, verdict.failure
 
 
 def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
@@ -172,6 +209,7 @@ def test_inputs_whose_shape_varies_with_the_seed_are_judged(pool: WorkerPool, tm
     ragged.write_text(RAGGED)
     problem = load_problem(ragged)
     layout = probe(pool, problem)
+    assert not any(layout.constant)  # each call reads its arguments from its inputs
     own = judge(pool, problem, RAGGED, trials=3, warmup=1, iters=3, layout=layout)
     assert own.ok, own.failure
     dropped = RAGGED.replace("values.sum()", "values[:-1].sum()")

@@ -110,13 +110,14 @@ class WorkloadFacts:
         first = shapes[0]
         inputs = workload.make_inputs(first, world_size, 0, 0, torch.device("cpu"))
         out = workload.make_output(first, world_size, 0, torch.device("meta"))
+        sizes = {k: v for k, v in first.params.items() if isinstance(v, int)}
         lines = [
             f"## The workload: `{workload.name}` on {world_size} ranks",
             workload.summary,
             "",
             inspect.cleandoc(doc),
             "",
-            f"Inputs on rank 0 at shape {first.label} ({dict(first.params)}): "
+            f"Inputs on rank 0 at shape {first.label} ({sizes}): "
             + ", ".join(f"`{n}` {list(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in inputs.items())
             + f"; output `out` {list(out.shape)} {str(out.dtype).replace('torch.', '')}"
             + (" (allocated in a symmetric window on GPUs)" if workload.symmetric_output else "") + ".",

@@ -57,13 +57,18 @@ def bf16_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Shape:
-    """One problem size, e.g. Shape('8192x8192x8192', {'M': 8192, 'N': 8192, 'K': 8192})."""
+    """One problem size, e.g. Shape('8192x8192x8192', {'M': 8192, 'N': 8192, 'K': 8192}). A str
+    parameter is what a program's setup needs beyond sizes (a problem's constant arguments)."""
 
     label: str
-    params: Mapping[str, int] = field(default_factory=dict)
+    params: Mapping[str, int | str] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> int:
-        return self.params[key]
+        """The size `key`."""
+        value = self.params[key]
+        if not isinstance(value, int):
+            raise TypeError(f"shape {self.label}'s parameter {key!r} is not a size")
+        return value
 
     def __str__(self) -> str:
         return self.label

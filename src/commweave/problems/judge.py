@@ -10,19 +10,21 @@ the reference program in one job; the speedup is the reference's median over the
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from commweave.contracts.context import ProgramContext
+from commweave.contracts.result import EvalResult
 from commweave.contracts.verdict import EvaluationError
 from commweave.evaluate import Evaluator
 from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
 from commweave.problems.service import ReferenceError
 from commweave.problems.values import HEADER, skeleton_bytes
-from commweave.problems.workload import VARYING, Layout, ProblemWorkload, reference_workers, workload_for
+from commweave.problems.workload import UNSTEADY, VARYING, Layout, ProblemWorkload, reference_workers, workload_for
 from commweave.runtime.pool import WorkerPool
 
 PROBE_JOB = "commweave.problems.judge:probe_rank"
@@ -57,23 +59,28 @@ class Verdict:
                 "solution_us": self.solution_us, "trials": self.trials, "world_size": self.world_size}
 
 
-def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, int, list[list[Any]]]:
+def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, int, list[list[Any]], str]:
     """Judge job: this rank's result length on two fresh seeds, its skeleton's pickled bytes, the
-    bytes of the input tensors whose shape differs between the two seeds (the larger draw), and
-    the first seed's [name, shape]s."""
+    bytes of the input tensors whose shape differs between the two seeds (the larger draw), the
+    first seed's [name, shape]s, and the skeleton's pickle in hex where both draws (and a third)
+    had the same one and the same tensor shapes, else ''."""
     workers = reference_workers(Problem.from_json(problem), ctx.world_size, ctx.device.type)
-    lengths, skeleton, draws = [], 0, []
+    lengths, pickles, draws = [], [], []
     for seed in (secrets.randbelow(1 << 30), secrets.randbelow(1 << 30)):
         tensors, packed = workers.request("inputs", seed, ctx.rank)
         draws.append(tensors)
-        skeleton = max(skeleton, len(skeleton_bytes(packed)))
+        pickles.append(skeleton_bytes(packed))
         lengths.append(int(workers.request("reference", seed, ctx.rank).numel()))
     varying = 0
     for name, first in draws[0].items():
         second = draws[1].get(name)
         if second is None or second.shape != first.shape:
             varying += max(t.numel() * t.element_size() for t in (first, second) if t is not None)
-    return lengths, skeleton, varying, [[name, list(t.shape)] for name, t in draws[0].items()]
+    same = not varying and len(draws[0]) == len(draws[1]) and pickles[0] == pickles[1]
+    if same:  # a third draw: a scalar drawn from few values may repeat once
+        same = skeleton_bytes(workers.request("inputs", secrets.randbelow(1 << 30), ctx.rank)[1]) == pickles[0]
+    constant = pickles[0].hex() if same else ""
+    return lengths, max(map(len, pickles)), varying, [[name, list(t.shape)] for name, t in draws[0].items()], constant
 
 
 def _cause(message: str, device: str) -> str:
@@ -104,17 +111,24 @@ def probe(pool: WorkerPool, problem: Problem) -> Layout:
     # room for the skeleton twice over, plus tensors that vary with the seed by value, twice over
     args = tuple(HEADER + 2 * (value[1] + value[2]) + ARGS_ROOM for value in result.values)
     inputs = tuple(tuple((name, tuple(shape)) for name, shape in value[3]) for value in result.values)
-    return Layout(out, args, fixed, inputs)
+    return Layout(out, args, fixed, inputs, tuple(value[4] for value in result.values))
 
 
 def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5, warmup: int = 10,
           iters: int = 30, layout: Layout | None = None) -> Verdict:
-    """The verdict on `solution` (a solution file's text) for `problem` on `pool`'s ranks."""
-    workload: ProblemWorkload = workload_for(problem, layout or probe(pool, problem))
-    evaluator = Evaluator(pool, workload, seeds=trials, warmup=warmup, iters=iters)
+    """The verdict on `solution` (a solution file's text) for `problem` on `pool`'s ranks. Where a
+    draw's arguments change though the probe saw them constant, it judges again with every call
+    reading them from its inputs (workload.Layout.constant)."""
+    layout = layout or probe(pool, problem)
     program = solution_program(solution, "a solution")
     try:
-        result = evaluator.evaluate(program, workload.shape)
+        try:
+            result = _evaluate(pool, workload_for(problem, layout), program, trials, warmup, iters)
+        except EvaluationError as exc:
+            if not str(exc).startswith(UNSTEADY) or not any(layout.constant):
+                raise
+            layout = dataclasses.replace(layout, constant=("",) * len(layout.constant))
+            result = _evaluate(pool, workload_for(problem, layout), program, trials, warmup, iters)
     except EvaluationError as exc:
         message = str(exc).splitlines()[0]
         if message.startswith(f"{VARYING}: "):  # a tensor that varies beyond the room of the skeleton
@@ -128,3 +142,8 @@ def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5,
                        result.candidate.median_us if result.candidate else None)
     return Verdict(problem.name, pool.world_size, trials, True, None, result.fitness, reference_us,
                    result.candidate.median_us)
+
+
+def _evaluate(pool: WorkerPool, workload: ProblemWorkload, program: str, trials: int, warmup: int,
+              iters: int) -> EvalResult:
+    return Evaluator(pool, workload, seeds=trials, warmup=warmup, iters=iters).evaluate(program, workload.shape)

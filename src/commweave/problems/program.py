@@ -6,7 +6,9 @@ input buffers (values.py: the tensors, the skeleton, the process groups the inpu
 created again in this process's own group in the same order), calls `solution` on copies of the
 tensors (a reference may update its inputs in place; the judge forbids changing the buffers),
 and writes the flattened result into `out`. The copies and the skeleton read are in every
-program's time alike. A plain `dist.new_group(ranks)` made inside a solution returns the group
+program's time alike. A skeleton that never changes with the seed comes once, in the shape
+(workload.Layout.constant); only one that does is read back from the `args` input on every call,
+and that read waits for the GPU. A plain `dist.new_group(ranks)` made inside a solution returns the group
 first made for those ranks: group creation is a program's setup, and a reference that makes its
 groups on every call (PKB #48) would otherwise time communicator set-ups and, with NCCL, exhaust
 the GPU after a few hundred calls. `Bound` runs only in program processes, beside the solution.
@@ -22,7 +24,9 @@ from typing import Any
 
 import torch
 
-from commweave.problems.values import ARGS, flatten_result, rebuild_args, unpack_skeleton
+from commweave.contracts.workload import Shape
+from commweave.problems.values import (ARGS, constant_key, rebuild_args, result_leaves, skeleton_from_bytes,
+                                       unpack_skeleton, write_result)
 
 PROGRAM = '''"""{what}, as a commweave program (commweave.problems.program)."""
 from commweave.problems.program import Bound
@@ -32,7 +36,7 @@ SOLUTION = {source!r}
 
 
 def setup(ctx, shape):
-    return Bound(SOLUTION, ctx)
+    return Bound(SOLUTION, ctx, shape)
 
 
 def run(ctx, state, inputs, out):
@@ -49,7 +53,7 @@ def solution_program(source: str, what: str) -> str:
 class Bound:
     """A solution loaded in a program process, and the process groups its arguments name."""
 
-    def __init__(self, source: str, ctx: Any):
+    def __init__(self, source: str, ctx: Any, shape: Shape):
         import torch.distributed as dist
 
         self.groups: dict[tuple[int, ...] | None, Any] = {}
@@ -67,6 +71,10 @@ class Bound:
             raise ValueError("the solution file defines no solution()")
         self.solution = module.solution
         self.ctx = ctx
+        constant = shape.params.get(constant_key(ctx.rank))
+        #: the skeleton every call gets, where it never changes with the seed: read from the shape
+        #: once, not back from the GPU per call (that read waits for the judge's hold)
+        self.constant = skeleton_from_bytes(bytes.fromhex(constant)) if isinstance(constant, str) else None
 
     def _new_group(self, ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
         """dist.new_group, made once per rank list when called with the ranks alone."""
@@ -87,12 +95,8 @@ class Bound:
         return dist.group.WORLD if index is None else self.groups[order[index]]
 
     def run(self, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-        skeleton, order = unpack_skeleton(inputs[ARGS])
+        skeleton, order = self.constant or unpack_skeleton(inputs[ARGS])
         tensors = {k: v.clone() for k, v in inputs.items() if k != ARGS}
         args = rebuild_args(skeleton, tensors, lambda index: self._group(order, index))
         result = self.solution(*args)
-        flat = flatten_result(args if result is None else result)
-        if flat.numel() > out.numel():
-            raise ValueError(f"the result has {flat.numel() - 1} elements, more than the reference's "
-                             f"{out.numel() - 1} (flattened)")
-        out[:flat.numel()].copy_(flat)
+        write_result(result_leaves(args if result is None else result), out)

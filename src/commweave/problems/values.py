@@ -27,6 +27,11 @@ ARGS = "args"  # the input holding the pickled skeleton
 HEADER = 8  # bytes of the skeleton's length before its pickle
 
 
+def constant_key(rank: int) -> str:
+    """The shape parameter that carries rank `rank`'s skeleton where it never changes with the seed."""
+    return f"{ARGS}{rank}"
+
+
 @dataclass(frozen=True)
 class TensorLeaf:
     """Where tensor `name` goes back into the arguments (and whether it required grad)."""
@@ -106,9 +111,15 @@ def pack_skeleton(skeleton: Any, capacity: int) -> torch.Tensor:
 
 
 def unpack_skeleton(packed: torch.Tensor) -> Any:
+    """The skeleton `pack_skeleton` packed (on a GPU, a read back that waits for the stream)."""
     raw = bytes(packed.cpu().numpy().tobytes()) if packed.numel() else b""
     size = int.from_bytes(raw[:HEADER], "little")
-    return pickle.loads(raw[HEADER:HEADER + size])
+    return skeleton_from_bytes(raw[HEADER:HEADER + size])
+
+
+def skeleton_from_bytes(data: bytes) -> Any:
+    """The skeleton `skeleton_bytes` pickled (the judge's own bytes: a program process trusts them)."""
+    return pickle.loads(data)
 
 
 def inline_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -150,22 +161,18 @@ def rebuild_args(skeleton: Any, tensors: dict[str, torch.Tensor], group: Callabl
     return walk(skeleton)
 
 
-def flatten_result(result: Any) -> torch.Tensor:
-    """A result as one float32 vector on its tensors' device: every leaf in depth-first order
-    (dicts by sorted key), None skipped, then the constant 1.0. A ValueError names a leaf that is
-    neither a tensor nor a number."""
-    parts: list[torch.Tensor] = []
-    device = torch.device("cpu")
+def result_leaves(result: Any) -> list[torch.Tensor | float]:
+    """A result's leaves in depth-first order (dicts by sorted key, None skipped): tensors as
+    they are, numbers as floats. A ValueError names a leaf that is neither."""
+    leaves: list[torch.Tensor | float] = []
 
     def walk(value: Any, where: str) -> None:
-        nonlocal device
         if value is None:
             return
         if isinstance(value, torch.Tensor):
-            device = value.device
-            parts.append(value.detach().reshape(-1).to(torch.float32))
+            leaves.append(value.detach())
         elif isinstance(value, (bool, int, float)):
-            parts.append(torch.tensor([float(value)], dtype=torch.float32))
+            leaves.append(float(value))
         elif isinstance(value, (tuple, list)):
             for i, v in enumerate(value):
                 walk(v, f"{where}[{i}]")
@@ -177,6 +184,36 @@ def flatten_result(result: Any) -> torch.Tensor:
                              "or tuples, lists and dicts of them")
 
     walk(result, "")
-    parts = [p.to(device) for p in parts]
-    parts.append(torch.ones(1, dtype=torch.float32, device=device))
-    return torch.cat(parts)
+    return leaves
+
+
+def flatten_result(result: Any) -> torch.Tensor:
+    """A result as one float32 vector on its tensors' device: every leaf's elements in order, then
+    the constant 1.0."""
+    leaves = result_leaves(result)
+    device = next((leaf.device for leaf in reversed(leaves) if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    out = torch.empty(sum(_length(leaf) for leaf in leaves) + 1, dtype=torch.float32, device=device)
+    write_result(leaves, out)
+    return out
+
+
+def write_result(leaves: list[torch.Tensor | float], out: torch.Tensor) -> None:
+    """`flatten_result`'s vector written straight into `out` (one copy per tensor leaf, converting
+    as it copies: on a GPU no more kernels than the result needs); a ValueError when it does not fit."""
+    total = sum(_length(leaf) for leaf in leaves) + 1
+    if total > out.numel():
+        raise ValueError(f"the result has {total - 1} elements, more than the reference's {out.numel() - 1} "
+                         "(flattened)")
+    offset = 0
+    for leaf in leaves:
+        n = _length(leaf)
+        if isinstance(leaf, torch.Tensor):
+            out[offset:offset + n].copy_(leaf.reshape(-1))
+        else:
+            out[offset:offset + 1].fill_(leaf)
+        offset += n
+    out[offset:offset + 1].fill_(1.0)
+
+
+def _length(leaf: torch.Tensor | float) -> int:
+    return leaf.numel() if isinstance(leaf, torch.Tensor) else 1

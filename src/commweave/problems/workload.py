@@ -26,12 +26,14 @@ from commweave.contracts.workload import Cost, Shape, Workload
 from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
 from commweave.problems.service import ReferenceWorkers
-from commweave.problems.values import ARGS, inline_tensors, pack_skeleton
+from commweave.problems.values import ARGS, constant_key, inline_tensors, pack_skeleton, skeleton_bytes
 
 PREFIX = "problem_"
 REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
 CACHED_SEEDS = 16
 VARYING = "inputs vary in shape"  # the cause of a problem whose varying input tensors do not fit the skeleton's room
+#: a draw whose skeleton is not the probe's constant one: the judge judges again, reading it per call
+UNSTEADY = "arguments the probe saw constant changed"
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,16 @@ class Layout:
     has exactly that length (no untouched tail); `inputs`: per rank, each tensor argument's shape
     as the probe drew it (the judge's buffers have that size); a tensor drawn in another shape
     travels by value inside the skeleton, whose room counts twice the bytes of those the probe saw
-    vary."""
+    vary. `constant`: per rank, the skeleton's pickle (hex) where every probed seed drew the same,
+    else '': the program gets it once, at setup, in the shape (`Bound`), instead of reading the
+    `args` input back from the GPU on every call, a wait for the GPU that would stall each batch
+    until the judge's hold let go."""
 
     out: tuple[int, ...]
     args: tuple[int, ...]
     fixed: bool
     inputs: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
+    constant: tuple[str, ...]
 
 
 _WORKERS: dict[tuple[int, str], ReferenceWorkers] = {}  # this process's reference workers
@@ -89,7 +95,9 @@ class ProblemWorkload(Workload):
     # -- shapes -----------------------------------------------------------------------------------
     @property
     def shape(self) -> Shape:
-        return Shape(self.problem.label, {})
+        """The problem's one size; its params carry the constant skeletons (`Layout.constant`)."""
+        return Shape(self.problem.label, {constant_key(rank): text for rank, text in enumerate(self.layout.constant)
+                                          if text})
 
     def bench_shapes(self, world_size: int) -> list[Shape]:
         return [self.shape]
@@ -118,6 +126,10 @@ class ProblemWorkload(Workload):
             raise WorkloadError(f"{VARYING}: rank {rank}'s input tensors {sorted(tensors)} are not the probe's "
                                 f"{sorted(probed)} (their number changes with the seed)")
         moved = {name: t.to(device) for name, t in tensors.items() if tuple(t.shape) != probed[name]}
+        constant = self.layout.constant[rank]
+        if constant and (moved or skeleton_bytes(skeleton).hex() != constant):
+            raise WorkloadError(f"{UNSTEADY}: rank {rank}'s arguments (their non-tensor values or tensor shapes) "
+                                f"changed with the seed, though the probe's draws had the same")
         inputs = {name: torch.zeros(probed[name], dtype=t.dtype, device=device) if name in moved else t.to(device)
                   for name, t in tensors.items()}
         try:
@@ -167,7 +179,8 @@ class ProblemWorkload(Workload):
 def _workload_class(token: str) -> type[ProblemWorkload]:
     spec = json.loads(bytes.fromhex(token[len(PREFIX):]).decode())
     inputs = tuple(tuple((name, tuple(shape)) for name, shape in rank) for rank in spec["layout"]["inputs"])
-    layout = Layout(tuple(spec["layout"]["out"]), tuple(spec["layout"]["args"]), spec["layout"]["fixed"], inputs)
+    layout = Layout(tuple(spec["layout"]["out"]), tuple(spec["layout"]["args"]), spec["layout"]["fixed"], inputs,
+                    tuple(spec["layout"]["constant"]))
     cls = type(token, (ProblemWorkload,), {"problem": Problem.from_json(spec["problem"]), "layout": layout,
                                            "__module__": __name__, "__qualname__": token})
     return cls
