@@ -25,6 +25,7 @@ from commweave.problems.values import (
     ARGS, GroupLeaf, TensorLeaf, constant_key, flatten_args, flatten_result, pack_skeleton, rebuild_args,
     skeleton_bytes, skeleton_from_bytes, unpack_skeleton,
 )
+from commweave.problems.workload import reference_workers, workload_for
 from commweave.runtime.pool import WorkerPool
 
 HERE = Path(__file__).parent / "problems"
@@ -172,6 +173,27 @@ def test_the_probe_marks_constant_arguments_and_a_change_is_judged_again(pool: W
     verdict = judge(pool, problem, OWN.read_text(), trials=2, warmup=1, iters=3,
                     layout=dataclasses.replace(layout, constant=(swapped, swapped)))
     assert verdict.ok, verdict.failure
+
+
+def test_a_batch_draws_its_inputs_in_one_request(pool: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 CPU ranks (this process's reference workers): the seeds of a judge's batch go to the
+    workers as one request, not one round trip each, and every draw is the one made alone."""
+    problem = load_problem(OWN)
+    workload = workload_for(problem, probe(pool, problem))
+    cpu, seeds = torch.device("cpu"), [5, 6, 7]
+    workers = reference_workers(problem, 2, "cpu")
+    try:
+        alone = [workload.make_inputs(workload.shape, 2, 1, seed, cpu) for seed in seeds]
+        asked: list[str] = []
+        request = workers.request
+        monkeypatch.setattr(workers, "request", lambda op, arg, rank: asked.append(op) or request(op, arg, rank))
+        workload.prepare_inputs(workload.shape, 2, 1, seeds, cpu)
+        together = [workload.make_inputs(workload.shape, 2, 1, seed, cpu) for seed in seeds]
+        assert asked == ["inputs"]
+        for one, other in zip(alone, together):
+            assert one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
+    finally:
+        workers.close()
 
 
 def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:

@@ -169,6 +169,11 @@ class Workload(ABC):
     def cost(self, shape: Shape, world_size: int) -> Cost:
         """Per-rank FLOPs and bytes of one call."""
 
+    def prepare_inputs(self, shape: Shape, world_size: int, rank: int, seeds: list[int], device: torch.device) -> None:
+        """The seeds the judge draws next with `make_inputs`, in order (a batch's): a workload whose
+        draws cost a round trip each (a problem's reference workers) makes them together. Default:
+        nothing (draws are made one by one)."""
+
     def untouched(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor | None:
         """A bool mask of output elements a correct program never writes (they must keep the
         harness's poison), or None when every element is an output (the default)."""

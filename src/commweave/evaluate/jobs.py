@@ -649,12 +649,13 @@ def _run_batch(wl: Workload, program: _Program, shape: Shape, count: int, seeds:
     alike, so no program can tell them apart), or None when the program is out (then, or now)."""
     if not program.active or not _still_ok(program):
         return None
-    drawn, masks = [], []
-    for index in range(count):  # CPU: the program is stopped; GPUs: into the judge's private staging
-        seed = seeds.next(program.name)
+    ctx = program.ctx
+    drawn = [seeds.next(program.name) for _ in range(count)]
+    program.harness("prepare_inputs()", wl.prepare_inputs, shape, ctx.world_size, ctx.rank, drawn, ctx.device)
+    masks = []
+    for index, seed in enumerate(drawn):  # CPU: the program is stopped; GPUs: into the judge's private staging
         values, untouched = _draw(wl, program, shape, seed)
-        program.fill(index, values, staged=program.ctx.is_cuda)
-        drawn.append(seed)
+        program.fill(index, values, staged=ctx.is_cuda)
         masks.append(untouched)
     timed = _timed(program, count, masks, flush)
     if timed is None:

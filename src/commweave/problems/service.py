@@ -7,8 +7,8 @@ processes of its own, joined in a process group of their own (gloo on CPU; on GP
 on GPU r): every request goes to all W, and only the asking rank's answer comes back. Only the
 problem's code runs here (the user's trusted reference and input maker), never a solution.
 Requests: ('load', problem) makes it the one they run (workers outlive a problem, so a suite
-starts them once per judge); ('inputs', seed) -> this rank's arguments as `values.flatten_args` splits them and the
-groups the input maker made; ('reference', seed) -> the reference's result as one vector;
+starts them once per judge); ('inputs', seeds) -> per seed, this rank's arguments as `values.flatten_args`
+splits them and the groups the input maker made (a judge's batch in one round trip); ('reference', seed) -> the reference's result as one vector;
 ('trace', seed) -> the ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
 """
 
@@ -123,11 +123,25 @@ def _maker(problem: Problem) -> Any:
     """(rank, world_size, seed, device) -> the arguments: PKB's create_input_tensor with the seed as
     its trial, or our format's make_inputs."""
     module = load_module(problem.inputs, "commweave_problem_inputs")
-    if problem.kind == "pkb":
-        dtype = problem.torch_dtype()
-        return lambda rank, w, seed, dev: module.create_input_tensor(rank, w, problem.problem_id, problem.base_shape,
-                                                                      dtype, trial=seed, device=dev)
-    return lambda rank, w, seed, dev: module.make_inputs(rank, w, seed, dev)
+    dtype = problem.torch_dtype()
+
+    def make(rank: int, w: int, seed: int, dev: torch.device) -> tuple:
+        if problem.kind == "pkb":
+            args = module.create_input_tensor(rank, w, problem.problem_id, problem.base_shape, dtype, trial=seed,
+                                              device=dev)
+        else:
+            args = module.make_inputs(rank, w, seed, dev)
+        if not isinstance(args, tuple):
+            raise TypeError(f"the input maker returned a {type(args).__name__}, not a tuple of arguments")
+        return args
+
+    return make
+
+
+def _drawn(args: Any, recorder: _Recorder) -> tuple[dict[str, torch.Tensor], Any]:
+    """One draw as it travels: its tensors on the host, its skeleton and the groups made so far."""
+    tensors, skeleton = flatten_args(args, recorder.index)
+    return {k: v.cpu() for k, v in tensors.items()}, (skeleton, list(recorder.order))
 
 
 def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: str, parent: int) -> None:
@@ -168,17 +182,15 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
                 continue
             if make is None:
                 raise RuntimeError(f"{op!r} before any problem was loaded")
-            args = make(rank, world_size, arg, device)
-            if not isinstance(args, tuple):
-                raise TypeError(f"the input maker returned a {type(args).__name__}, not a tuple of arguments")
-            if op == "inputs":
-                tensors, skeleton = flatten_args(args, recorder.index)
-                value = ({k: v.cpu() for k, v in tensors.items()}, (skeleton, list(recorder.order)))
+            if op == "inputs":  # several seeds per request: one round trip for a judge's batch
+                value = [_drawn(make(rank, world_size, seed, device), recorder) for seed in arg]
             elif op == "trace":
+                args = make(rank, world_size, arg, device)
                 with _Tracer() as tracer:
                     solution(*args)
                 value = tracer.ops
             else:
+                args = make(rank, world_size, arg, device)
                 result = solution(*args)
                 value = flatten_result(args if result is None else result).cpu()
             conn.send_bytes(_dumps(("ok", value if send else None, "")))

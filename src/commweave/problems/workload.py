@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from commweave.problems.values import ARGS, constant_key, inline_tensors, pack_s
 PREFIX = "problem_"
 REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
 CACHED_SEEDS = 16
+PREFETCH_BYTES = 256 << 20  # a batch's draws per request to the reference workers, at most
 VARYING = "inputs vary in shape"  # the cause of a problem whose varying input tensors do not fit the skeleton's room
 #: a draw whose skeleton is not the probe's constant one: the judge judges again, reading it per call
 UNSTEADY = "arguments the probe saw constant changed"
@@ -81,6 +83,7 @@ class ProblemWorkload(Workload):
         self.summary = f"{self.problem.kind} problem {self.problem.reference}"
         self.world_sizes = (len(self.layout.out),)
         self._results: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._drawn: dict[tuple[int, int], Any] = {}  # (rank, seed): a batch's draws, made together
 
     # -- programs ---------------------------------------------------------------------------------
     def program_names(self) -> list[str]:
@@ -119,7 +122,8 @@ class ProblemWorkload(Workload):
         """This rank's tensors in the judge's buffers (their probed shapes), and the skeleton. A
         tensor drawn in another shape (PKB #70: a ragged values tensor; #85: a rank empty 1 seed
         in 4) travels by value in the skeleton, its buffer left zero."""
-        tensors, skeleton = self._workers(world_size, device).request("inputs", seed, rank)
+        drawn = self._drawn.pop((rank, seed), None)
+        tensors, skeleton = drawn or self._workers(world_size, device).request("inputs", [seed], rank)[0]
         probed = dict(self.layout.inputs[rank])
         missing = sorted(set(probed) - set(tensors))
         if missing or len(tensors) != len(probed):
@@ -139,6 +143,17 @@ class ProblemWorkload(Workload):
             raise WorkloadError(f"{VARYING}: rank {rank}'s input tensor {what} changes shape with the seed and "
                                 f"does not fit the room its first draws left: {exc}") from exc
         return inputs
+
+    def prepare_inputs(self, shape: Shape, world_size: int, rank: int, seeds: list[int], device: torch.device) -> None:
+        """A batch's draws in few requests (each a round trip to every worker, as costly as a
+        small draw), at most `PREFETCH_BYTES` of tensors (reckoned at 8 bytes an element) each."""
+        elements = sum(math.prod(dims) for _, dims in self.layout.inputs[rank])
+        per_request = max(1, PREFETCH_BYTES // (8 * elements + 1))
+        self._drawn.clear()
+        workers = self._workers(world_size, device)
+        for start in range(0, len(seeds), per_request):
+            part = seeds[start:start + per_request]
+            self._drawn.update(((rank, seed), drawn) for seed, drawn in zip(part, workers.request("inputs", part, rank)))
 
     def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
         return torch.empty(self.layout.out[rank], dtype=torch.float32, device=device)
