@@ -7,11 +7,12 @@ created again in this process's own group in the same order), calls `solution` o
 tensors (a reference may update its inputs in place; the judge forbids changing the buffers),
 and writes the flattened result into `out`. The copies and the skeleton read are in every
 program's time alike. A skeleton that never changes with the seed comes once, in the shape
-(workload.Layout.constant); only one that does is read back from the `args` input on every call,
-and that read waits for the GPU. A plain `dist.new_group(ranks)` made inside a solution returns the group
-first made for those ranks: group creation is a program's setup, and a reference that makes its
-groups on every call (PKB #48) would otherwise time communicator set-ups and, with NCCL, exhaust
-the GPU after a few hundred calls. `Bound` runs only in program processes, beside the solution.
+(workload.Layout.constant); only one that does is read back from the `args` input on every
+call, and that read waits for the GPU. A plain `dist.new_group(ranks)` made inside a solution
+returns the group first made for those ranks: group creation is a program's setup, and a
+reference that makes its groups on every call (PKB #48) would otherwise time communicator
+set-ups and, with NCCL, exhaust the GPU after a few hundred calls. `Bound` runs only in program
+processes, beside the solution.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ processes of its own, joined in a process group of their own (gloo on CPU; on GP
 on GPU r): every request goes to all W, and only the asking rank's answer comes back. Only the
 problem's code runs here (the user's trusted reference and input maker), never a solution.
 Requests: ('load', problem) makes it the one they run (workers outlive a problem, so a suite
-starts them once per judge); ('inputs', seeds) -> per seed, this rank's arguments as `values.flatten_args`
-splits them and the groups the input maker made (a judge's batch in one round trip); ('reference', seed) -> the reference's result as one vector;
-('trace', seed) -> the ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
+starts them once per judge); ('inputs', seeds) -> per seed, this rank's arguments as
+`values.flatten_args` splits them and the groups the input maker made (a judge's batch in one
+round trip); ('reference', seed) -> the reference's result as one vector; ('trace', seed) -> the
+ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
 """
 
 from __future__ import annotations

@@ -153,7 +153,8 @@ class ProblemWorkload(Workload):
         workers = self._workers(world_size, device)
         for start in range(0, len(seeds), per_request):
             part = seeds[start:start + per_request]
-            self._drawn.update(((rank, seed), drawn) for seed, drawn in zip(part, workers.request("inputs", part, rank)))
+            drawn = workers.request("inputs", part, rank)
+            self._drawn.update(((rank, seed), one) for seed, one in zip(part, drawn))
 
     def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
         return torch.empty(self.layout.out[rank], dtype=torch.float32, device=device)
