@@ -19,7 +19,7 @@ from commweave.agents.problem_binding import Binding, Unbound, bind_trace
 from commweave.cli import app
 from commweave.contracts.workload import Shape
 from commweave.problems.format import ProblemError, load_problem, problems_in
-from commweave.problems.judge import VARYING, Unsupported, judge, probe
+from commweave.problems.judge import VARYING, Unsupported, host_bound, judge, probe
 from commweave.problems.program import Bound
 from commweave.problems.values import (
     ARGS, GroupLeaf, TensorLeaf, constant_key, flatten_args, flatten_result, pack_skeleton, rebuild_args,
@@ -271,6 +271,30 @@ def test_pkb_layout_with_a_group_and_a_scalar_through_the_cli() -> None:
     assert fields["ok"] and fields["world_size"] == 2 and fields["trials"] == 2
     missing = runner.invoke(app, ["judge", str(ref), str(HERE / "nope.py"), "--device", "cpu"])
     assert missing.exit_code == 2 and "nope.py: no such file" in missing.output
+
+
+def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 CPU ranks: `problems run` on a PKB-layout folder writes the table as JSON (with provenance)
+    and HTML; each row carries the judge's resolution for both programs (calls per timed batch,
+    and no batch the GPU ran before it was queued: `host_bound` names none)."""
+    import commweave.report.results as results
+
+    write = results.write_results
+    monkeypatch.setattr(results, "write_results", lambda *a, **k: write(*a, **{**k, "out_dir": tmp_path}))
+    page = tmp_path / "table.html"
+    result = CliRunner().invoke(app, ["problems", "run", str(HERE / "pkb"), "--gpus", "2", "--device", "cpu",
+                                      "--shape", "64x32", "--dtype", "float32", "--only", "3", "--trials", "2",
+                                      "--iters", "3", "--warmup", "1", "--out", str(page)])
+    assert result.exit_code == 0, result.output
+    (written,) = tmp_path.glob("problems-pkb-cpu-*.json")
+    table = json.loads(written.read_text())
+    assert table["commit"] and table["summary"]["ok"] == 1 and page.read_text().count("3_scaled_allreduce")
+    (row,) = table["rows"]
+    assert set(row["resolution"]) == {"reference", "solution"}
+    assert all(r["batch"] >= 1 and r["hold_expired"] == 0 for r in row["resolution"].values())
+    assert host_bound(row["resolution"]) == []
+    assert host_bound({"reference": {"hold_expired": 0}, "solution": {"hold_expired": 2}}) == ["solution"]
 
 
 def test_problems_bind_names_the_template_or_says_why_not() -> None:

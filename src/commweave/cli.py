@@ -721,7 +721,7 @@ def judge(
 
     from commweave.contracts.verdict import EvaluationError, InfrastructureError
     from commweave.problems.format import ProblemError, check_solution_file, load_problem
-    from commweave.problems.judge import Unsupported, judge as judge_solution
+    from commweave.problems.judge import Unsupported, host_bound, judge as judge_solution
     from commweave.runtime import PoolStartError, WorkerPool
 
     _device_or_fail(device, gpus)
@@ -743,6 +743,10 @@ def judge(
     if verdict.ok:
         console.print(f"{spec.name}: correct on {trials} trials at {gpus} ranks; {verdict.speedup:.2f}x the reference "
                       f"({verdict.solution_us:,.1f} µs vs {verdict.reference_us:,.1f} µs)", highlight=False)
+        late = host_bound(verdict.resolution)
+        if late:
+            console.print(f"warning: the GPU ran some timed batches of the {' and the '.join(late)} before they "
+                          "were queued: those times show the host's pace (see docs/problems.md)", highlight=False)
     else:
         console.print(f"{spec.name}: wrong: {escape(verdict.failure or '')}", highlight=False)
 
@@ -801,6 +805,7 @@ def problems_run(
 ) -> None:
     """Every problem through the judge: one table (HTML, and JSON with provenance in bench/results)."""
     from commweave.problems.format import ProblemError, problems_in
+    from commweave.problems.judge import host_bound
     from commweave.problems.suite import rows_json, run_problems, summary
     from commweave.report.problems import write_table
     from commweave.report.results import write_results
@@ -823,6 +828,8 @@ def problems_run(
 
     def progress(row: Any) -> None:
         speed = f"{row.speedup:.2f}x" if row.speedup is not None else "-"
+        late = host_bound(row.resolution)
+        speed += f" (host's pace in batches of the {' and the '.join(late)})" if late else ""
         console.print(f"{row.problem}: {row.cause} {speed} ({row.seconds:.0f} s) {escape(row.message)}", highlight=False)
 
     rows = run_problems(found, gpus, device, solutions, trials=trials, warmup=warmup, iters=iters, progress=progress)

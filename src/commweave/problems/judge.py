@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from commweave.contracts.context import ProgramContext
@@ -52,11 +52,20 @@ class Verdict:
     speedup: float | None
     reference_us: float | None
     solution_us: float | None
+    #: per program ('reference', 'solution') timed: the judge's resolution (calls per timed batch,
+    #: crossing and subtracted µs, timed batches whose hold let go), for reports, not `fields()`
+    resolution: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def fields(self) -> dict[str, Any]:
         """The JSON object `commweave judge --json` prints."""
         return {"ok": self.ok, "failure": self.failure, "speedup": self.speedup, "reference_us": self.reference_us,
                 "solution_us": self.solution_us, "trials": self.trials, "world_size": self.world_size}
+
+
+def host_bound(resolution: dict[str, dict[str, Any]]) -> list[str]:
+    """The programs of a `Verdict.resolution` some of whose timed batches the GPU ran before they
+    were queued (the judge's hold let go): their times show the host's pace, not the GPU's."""
+    return [name for name, r in resolution.items() if r.get("hold_expired")]
 
 
 def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, int, list[list[Any]], str]:
@@ -136,12 +145,16 @@ def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5,
         raise Unsupported("reference fails", message) from exc
     reference = result.baselines.get("reference")
     reference_us = reference.median_us if reference is not None else None
+    resolution = {name: {"batch": t.batch, "crossing_us": t.crossing_us, "subtracted_us": t.subtracted_us,
+                         "hold_expired": t.hold_expired}
+                  for name, t in (("reference", reference), ("solution", result.candidate))
+                  if t is not None and t.batch is not None}
     if not result.verdict.ok:
         failure = f"{result.verdict.failure.value}: {result.verdict.message}".splitlines()[0]
         return Verdict(problem.name, pool.world_size, trials, False, failure, None, reference_us,
-                       result.candidate.median_us if result.candidate else None)
+                       result.candidate.median_us if result.candidate else None, resolution)
     return Verdict(problem.name, pool.world_size, trials, True, None, result.fitness, reference_us,
-                   result.candidate.median_us)
+                   result.candidate.median_us, resolution)
 
 
 def _evaluate(pool: WorkerPool, workload: ProblemWorkload, program: str, trials: int, warmup: int,

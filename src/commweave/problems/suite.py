@@ -9,7 +9,7 @@ problem whose programs could not start is judged again on restarted judges.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Row:
     solution_us: float | None
     message: str
     seconds: float
+    resolution: dict[str, dict[str, Any]] = field(default_factory=dict)  # judge.Verdict.resolution
 
     @property
     def in_band(self) -> bool:
@@ -83,7 +84,7 @@ def _judged(pool: WorkerPool, problem: Problem, path: Path, trials: int, warmup:
         verdict = judge(pool, problem, path.read_text(), trials=trials, warmup=warmup, iters=iters)
         cause = cause_of(verdict.failure)
         return Row(problem.name, str(path), cause, verdict.ok, verdict.speedup, verdict.reference_us,
-                   verdict.solution_us, verdict.failure or "", 0.0)
+                   verdict.solution_us, verdict.failure or "", 0.0, verdict.resolution)
     except Unsupported as exc:
         return Row(problem.name, str(path), exc.cause, False, None, None, None, str(exc), 0.0)
     except (EvaluationError, InfrastructureError) as exc:
