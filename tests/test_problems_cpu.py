@@ -15,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import commweave.problems.workload as problem_workload
 from commweave.agents.problem_binding import Binding, Unbound, bind_trace
 from commweave.cli import app
 from commweave.contracts.workload import Shape
@@ -177,7 +178,8 @@ def test_the_probe_marks_constant_arguments_and_a_change_is_judged_again(pool: W
 
 def test_a_batch_draws_its_inputs_in_one_request(pool: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 CPU ranks (this process's reference workers): the seeds of a judge's batch go to the
-    workers as one request, not one round trip each, and every draw is the one made alone."""
+    workers as one request, not one round trip each, and every draw is the one made alone; a
+    batch larger than PREFETCH_BYTES takes several requests (so the judge holds only so much)."""
     problem = load_problem(OWN)
     workload = workload_for(problem, probe(pool, problem))
     cpu, seeds = torch.device("cpu"), [5, 6, 7]
@@ -192,6 +194,12 @@ def test_a_batch_draws_its_inputs_in_one_request(pool: WorkerPool, monkeypatch: 
         assert asked == ["inputs"]
         for one, other in zip(alone, together):
             assert one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
+        elements = sum(t.numel() for name, t in alone[0].items() if name != ARGS)
+        monkeypatch.setattr(problem_workload, "PREFETCH_BYTES", 2 * 8 * elements + 2)  # two draws held at once
+        asked.clear()
+        workload.prepare_inputs(workload.shape, 2, 1, seeds, cpu)
+        again = [workload.make_inputs(workload.shape, 2, 1, seed, cpu) for seed in seeds]
+        assert asked == ["inputs", "inputs"] and all(torch.equal(a["t0"], b["t0"]) for a, b in zip(alone, again))
     finally:
         workers.close()
 

@@ -32,7 +32,7 @@ from commweave.problems.values import ARGS, constant_key, inline_tensors, pack_s
 PREFIX = "problem_"
 REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
 CACHED_SEEDS = 16
-PREFETCH_BYTES = 256 << 20  # a batch's draws per request to the reference workers, at most
+PREFETCH_BYTES = 64 << 20  # a batch's draws per request to the reference workers (and held at once), at most
 VARYING = "inputs vary in shape"  # the cause of a problem whose varying input tensors do not fit the skeleton's room
 #: a draw whose skeleton is not the probe's constant one: the judge judges again, reading it per call
 UNSTEADY = "arguments the probe saw constant changed"
@@ -83,7 +83,8 @@ class ProblemWorkload(Workload):
         self.summary = f"{self.problem.kind} problem {self.problem.reference}"
         self.world_sizes = (len(self.layout.out),)
         self._results: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
-        self._drawn: dict[tuple[int, int], Any] = {}  # (rank, seed): a batch's draws, made together
+        self._next: dict[int, list[int]] = {}  # per rank: the prepared seeds not drawn yet, in order
+        self._drawn: dict[int, dict[int, Any]] = {}  # per rank, per seed: draws made together, not yet taken
 
     # -- programs ---------------------------------------------------------------------------------
     def program_names(self) -> list[str]:
@@ -122,8 +123,7 @@ class ProblemWorkload(Workload):
         """This rank's tensors in the judge's buffers (their probed shapes), and the skeleton. A
         tensor drawn in another shape (PKB #70: a ragged values tensor; #85: a rank empty 1 seed
         in 4) travels by value in the skeleton, its buffer left zero."""
-        drawn = self._drawn.pop((rank, seed), None)
-        tensors, skeleton = drawn or self._workers(world_size, device).request("inputs", [seed], rank)[0]
+        tensors, skeleton = self._draw(world_size, rank, seed, device)
         probed = dict(self.layout.inputs[rank])
         missing = sorted(set(probed) - set(tensors))
         if missing or len(tensors) != len(probed):
@@ -145,16 +145,25 @@ class ProblemWorkload(Workload):
         return inputs
 
     def prepare_inputs(self, shape: Shape, world_size: int, rank: int, seeds: list[int], device: torch.device) -> None:
-        """A batch's draws in few requests (each a round trip to every worker, as costly as a
-        small draw), at most `PREFETCH_BYTES` of tensors (reckoned at 8 bytes an element) each."""
-        elements = sum(math.prod(dims) for _, dims in self.layout.inputs[rank])
-        per_request = max(1, PREFETCH_BYTES // (8 * elements + 1))
-        self._drawn.clear()
-        workers = self._workers(world_size, device)
-        for start in range(0, len(seeds), per_request):
-            part = seeds[start:start + per_request]
-            drawn = workers.request("inputs", part, rank)
-            self._drawn.update(((rank, seed), one) for seed, one in zip(part, drawn))
+        """Remember a batch's seeds: its draws are then made several to a request (each request a
+        round trip to every worker, as costly as a small draw)."""
+        self._next[rank] = list(seeds)
+        self._drawn[rank] = {}
+
+    def _draw(self, world_size: int, rank: int, seed: int, device: torch.device) -> Any:
+        """(tensors, skeleton) of `seed`: a prepared seed comes with those after it, up to
+        `PREFETCH_BYTES` of tensors (reckoned at 8 bytes an element) held at once."""
+        pending, drawn = self._next.setdefault(rank, []), self._drawn.setdefault(rank, {})
+        if seed not in drawn and seed in pending:
+            elements = sum(math.prod(dims) for _, dims in self.layout.inputs[rank])
+            begin = pending.index(seed)
+            part = pending[begin:begin + max(1, PREFETCH_BYTES // (8 * elements + 1))]
+            del pending[:begin + len(part)]
+            drawn.clear()
+            drawn.update(zip(part, self._workers(world_size, device).request("inputs", part, rank)))
+        if seed in drawn:
+            return drawn.pop(seed)
+        return self._workers(world_size, device).request("inputs", [seed], rank)[0]
 
     def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
         return torch.empty(self.layout.out[rank], dtype=torch.float32, device=device)
