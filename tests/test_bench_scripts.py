@@ -63,3 +63,18 @@ def test_search_rate_reads_a_run_database(tmp_path):
     assert run["evaluations"] == 3 and run["steady_per_min"] == 6.0 and run["mean_evaluate_s"] == 3.0
     assert [e["batch"] for e in run["per_evaluation"]] == [{"host": 40}, {"host": 41}, {"host": 42}]
     assert run["per_evaluation"][0]["host_us"] == 11.0
+
+
+def test_confine_start_times_a_program_process_and_its_confinement():
+    """bench/confine_start.py (CPU, one program process): spawn-to-ready covers the confinement's
+    own share, which the process measured, under no optional piece and under the pid namespace."""
+    import importlib.util
+
+    from commweave.runtime.candidate import Confinement
+
+    spec = importlib.util.spec_from_file_location("confine_start", BENCH / "confine_start.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for rules in (Confinement(False, False), module.VARIANTS["pid namespace"]):
+        ready, confine = module.started(rules)
+        assert 0 < confine < ready < 60
