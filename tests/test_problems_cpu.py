@@ -23,7 +23,7 @@ from commweave.problems.format import ProblemError, load_problem, problems_in
 from commweave.problems.judge import VARYING, Unsupported, host_bound, judge, probe
 from commweave.problems.program import Bound
 from commweave.problems.values import (
-    ARGS, GroupLeaf, TensorLeaf, constant_key, flatten_args, flatten_result, pack_skeleton, rebuild_args,
+    ARGS, GroupLeaf, TensorLeaf, constant_key, flatten_args, flatten_result, pack_pickled, rebuild_args,
     skeleton_bytes, skeleton_from_bytes, unpack_skeleton,
 )
 from commweave.problems.workload import reference_workers, workload_for
@@ -53,7 +53,7 @@ def test_arguments_travel_as_tensors_and_a_skeleton() -> None:
     args = (torch.ones(2, 3), [torch.arange(4), 5], {"eps": 1e-5}, None)
     tensors, skeleton = flatten_args(args, lambda g: 0)
     assert sorted(tensors) == ["t0", "t1"]
-    packed = pack_skeleton((skeleton, []), 4096)
+    packed = pack_pickled(skeleton_bytes((skeleton, [])), 4096)
     back, order = unpack_skeleton(packed)
     rebuilt = rebuild_args(back, tensors, lambda index: group)
     assert torch.equal(rebuilt[0], args[0]) and torch.equal(rebuilt[1][0], args[1][0])
@@ -74,8 +74,8 @@ def test_a_module_argument_packs_to_the_same_bytes_wherever_its_weights_live() -
 
     first, second = draw(), draw()  # both alive: different storages
     assert pickle.dumps(first) != pickle.dumps(second)  # what the judge must not compare
-    assert torch.equal(pack_skeleton(first, 1 << 14), pack_skeleton(second, 1 << 14))
-    back = unpack_skeleton(pack_skeleton((first, torch.zeros(0)), 1 << 14))
+    assert torch.equal(pack_pickled(skeleton_bytes(first), 1 << 14), pack_pickled(skeleton_bytes(second), 1 << 14))
+    back = unpack_skeleton(pack_pickled(skeleton_bytes((first, torch.zeros(0))), 1 << 14))
     assert isinstance(back[0].weight, torch.nn.Parameter) and back[0].weight.requires_grad
     assert torch.equal(back[0].weight, first.weight) and back[0].weight.dtype == torch.bfloat16
     assert back[1].shape == (0,)

@@ -8,7 +8,7 @@ baselines'). `Judge` is what the search needs of an evaluator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from commweave.contracts.verdict import Verdict
 from commweave.contracts.workload import Shape
@@ -35,6 +35,13 @@ class ProgramTiming:
     subtracted_us: float | None = None
     #: GPUs: timed batches whose hold let go before the program had queued them (its CPU showed)
     hold_expired: int | None = None
+
+    def resolution(self) -> dict[str, Any] | None:
+        """The judge's resolution as plain JSON, or None where the program was not timed in batches."""
+        if self.batch is None:
+            return None
+        return {"batch": self.batch, "crossing_us": self.crossing_us, "subtracted_us": self.subtracted_us,
+                "hold_expired": self.hold_expired}
 
 
 @dataclass

@@ -145,9 +145,7 @@ def judge(pool: WorkerPool, problem: Problem, solution: str, *, trials: int = 5,
         raise Unsupported("reference fails", message) from exc
     reference = result.baselines.get("reference")
     reference_us = reference.median_us if reference is not None else None
-    resolution = {name: {"batch": t.batch, "crossing_us": t.crossing_us, "subtracted_us": t.subtracted_us,
-                         "hold_expired": t.hold_expired}
-                  for name, t in (("reference", reference), ("solution", result.candidate))
+    resolution = {name: t.resolution() for name, t in (("reference", reference), ("solution", result.candidate))
                   if t is not None and t.batch is not None}
     if not result.verdict.ok:
         failure = f"{result.verdict.failure.value}: {result.verdict.message}".splitlines()[0]

@@ -98,9 +98,8 @@ def skeleton_bytes(skeleton: Any) -> bytes:
     return buffer.getvalue()
 
 
-def pack_skeleton(skeleton: Any, capacity: int) -> torch.Tensor:
-    """The skeleton pickled into a uint8 tensor of `capacity` bytes (length first)."""
-    data = skeleton_bytes(skeleton)
+def pack_pickled(data: bytes, capacity: int) -> torch.Tensor:
+    """A skeleton's pickle (`skeleton_bytes`) in a uint8 tensor of `capacity` bytes (length first)."""
     if HEADER + len(data) > capacity:
         raise ValueError(f"the problem's non-tensor arguments take {len(data)} bytes pickled, more than the "
                          f"{capacity - HEADER} the first inputs left room for")
@@ -111,7 +110,7 @@ def pack_skeleton(skeleton: Any, capacity: int) -> torch.Tensor:
 
 
 def unpack_skeleton(packed: torch.Tensor) -> Any:
-    """The skeleton `pack_skeleton` packed (on a GPU, a read back that waits for the stream)."""
+    """The skeleton `pack_pickled` packed (on a GPU, a read back that waits for the stream)."""
     raw = bytes(packed.cpu().numpy().tobytes()) if packed.numel() else b""
     size = int.from_bytes(raw[:HEADER], "little")
     return skeleton_from_bytes(raw[HEADER:HEADER + size])

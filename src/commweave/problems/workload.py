@@ -27,7 +27,7 @@ from commweave.contracts.workload import Cost, Shape, Workload
 from commweave.problems.format import Problem
 from commweave.problems.program import solution_program
 from commweave.problems.service import ReferenceWorkers
-from commweave.problems.values import ARGS, constant_key, inline_tensors, pack_skeleton, skeleton_bytes
+from commweave.problems.values import ARGS, constant_key, inline_tensors, pack_pickled, skeleton_bytes
 
 PREFIX = "problem_"
 REFERENCE = "reference"  # the baseline's name: the problem's own reference as a program
@@ -130,14 +130,15 @@ class ProblemWorkload(Workload):
             raise WorkloadError(f"{VARYING}: rank {rank}'s input tensors {sorted(tensors)} are not the probe's "
                                 f"{sorted(probed)} (their number changes with the seed)")
         moved = {name: t.to(device) for name, t in tensors.items() if tuple(t.shape) != probed[name]}
+        pickled = skeleton_bytes(inline_tensors(skeleton, moved))  # a moved tensor's value makes it differ
         constant = self.layout.constant[rank]
-        if constant and (moved or skeleton_bytes(skeleton).hex() != constant):
+        if constant and pickled.hex() != constant:
             raise WorkloadError(f"{UNSTEADY}: rank {rank}'s arguments (their non-tensor values or tensor shapes) "
                                 f"changed with the seed, though the probe's draws had the same")
         inputs = {name: torch.zeros(probed[name], dtype=t.dtype, device=device) if name in moved else t.to(device)
                   for name, t in tensors.items()}
         try:
-            inputs[ARGS] = pack_skeleton(inline_tensors(skeleton, moved), self.layout.args[rank]).to(device)
+            inputs[ARGS] = pack_pickled(pickled, self.layout.args[rank]).to(device)
         except ValueError as exc:
             what = ", ".join(f"{n} {tuple(t.shape)} (probed {probed[n]})" for n, t in moved.items())
             raise WorkloadError(f"{VARYING}: rank {rank}'s input tensor {what} changes shape with the seed and "

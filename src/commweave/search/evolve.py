@@ -185,8 +185,7 @@ def result_timings(result: EvalResult) -> dict[str, Any]:
     timed = {name: t for name, t in result.baselines.items()}
     if result.candidate is not None:
         timed["candidate"] = result.candidate
-    resolution = {name: {"batch": t.batch, "crossing_us": t.crossing_us, "hold_expired": t.hold_expired}
-                  for name, t in timed.items() if t.batch is not None}
+    resolution = {name: t.resolution() for name, t in timed.items() if t.batch is not None}
     return {"candidate_us": result.candidate.median_us if result.candidate is not None else None,
             "baseline": result.baseline, "baselines_us": {name: t.median_us for name, t in result.baselines.items()},
             "floor_us": result.floor_us, "resolution": resolution}
