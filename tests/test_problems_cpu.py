@@ -210,12 +210,12 @@ def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
     problem = load_problem(OWN)
     layout = probe(pool, problem)
     assert layout.fixed and layout.out == (256 * 256 + 1,) * 2
-    itself = judge(pool, problem, OWN.read_text(), layout=layout)
+    itself = judge(pool, problem, OWN.read_text(), warmup=4, iters=15, layout=layout)
     assert itself.ok and 0.7 < itself.speedup < 1.4, itself
     for name in ("wrong", "stale"):
         verdict = judge(pool, problem, (SOLUTIONS / f"{name}.py").read_text(), layout=layout)
         assert not verdict.ok and verdict.failure.startswith("wrong_result"), (name, verdict)
-    slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), layout=layout)
+    slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), warmup=4, iters=15, layout=layout)
     assert slow.ok and slow.speedup < 0.8, slow
 
 
