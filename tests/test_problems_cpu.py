@@ -161,6 +161,22 @@ def test_a_constant_skeleton_comes_in_the_shape_and_is_never_read_back(tmp_path:
         Bound(source, SimpleNamespace(rank=2), shape).run(inputs, out)
 
 
+def test_a_call_gets_the_judges_own_input_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ranks: the wrapper copies no input (a copy per tensor per call is timed with the program
+    and dilutes every ratio at PKB's sizes); an argument that asks for gradients is a leaf of its
+    own over the same memory, so the judge's tensor is left as it was."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    skeleton = ((TensorLeaf("t0", False), TensorLeaf("t1", True)), [])
+    source = "def solution(x, w):\n    assert w.requires_grad and w.is_leaf\n    x.mul_(3)\n    return x + w.detach()\n"
+    inputs = {"t0": torch.ones(3), "t1": torch.full((3,), 0.5)}
+    out = torch.empty(4)  # the result's elements, then 1.0
+    Bound(source, SimpleNamespace(rank=0), Shape("any", {constant_key(0): skeleton_bytes(skeleton).hex()})).run(inputs, out)
+    assert out.tolist() == [3.5] * 3 + [1.0] and inputs["t0"].tolist() == [3.0] * 3  # written in place: no copy
+    assert not inputs["t1"].requires_grad
+
+
 def test_the_probe_marks_constant_arguments_and_a_change_is_judged_again(pool: WorkerPool) -> None:
     """2 CPU ranks: our problem's arguments never change with the seed, so the probe gives each
     rank's skeleton (a ragged problem's it does not, below). When a draw differs from
@@ -279,6 +295,27 @@ def test_pkb_layout_with_a_group_and_a_scalar_through_the_cli() -> None:
     assert fields["ok"] and fields["world_size"] == 2 and fields["trials"] == 2
     missing = runner.invoke(app, ["judge", str(ref), str(HERE / "nope.py"), "--device", "cpu"])
     assert missing.exit_code == 2 and "nope.py: no such file" in missing.output
+
+
+def test_a_solution_working_in_place_on_its_arguments_is_judged_correct(tmp_path: Path) -> None:
+    """2 CPU ranks: PKB solutions all-reduce their arguments in place. The judge hands a call its
+    own input set (no copy inside the timed region) and does not fail a problem's program for
+    writing to it; the output still has to match the reference drawn from the seed."""
+    ref = HERE / "pkb" / "reference" / "3_scaled_allreduce.py"
+    in_place = tmp_path / "3_scaled_allreduce.py"
+    in_place.write_text("import torch.distributed as dist\n\n\ndef solution(x, scale, group):\n"
+                        "    x.mul_(scale)\n    dist.all_reduce(x, group=group)\n    return x\n")
+    args = ["--gpus", "2", "--device", "cpu", "--shape", "64x32", "--dtype", "float32", "--trials", "2", "--iters", "5",
+            "--warmup", "1", "--json"]
+    judged = {}
+    for name, text in (("in_place", None), ("in_place_wrong", "    x.mul_(scale)\n    x.add_(1)\n")):
+        if text is not None:
+            in_place.write_text(in_place.read_text().replace("    x.mul_(scale)\n", text))
+        result = CliRunner().invoke(app, ["judge", str(ref), str(in_place), *args])
+        assert result.exit_code == 0, result.output
+        judged[name] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert judged["in_place"]["ok"], judged["in_place"]
+    assert not judged["in_place_wrong"]["ok"] and judged["in_place_wrong"]["failure"].startswith("wrong_result")
 
 
 def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path,

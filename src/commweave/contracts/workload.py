@@ -113,6 +113,11 @@ class Workload(ABC):
     #: extras), e.g. ("a", "b"): `commweave.ops` hands them to its generic custom op in this order,
     #: so no op code names a workload's inputs; empty: the caller's names, sorted
     op_inputs: tuple[str, ...] = ()
+    #: whether a program that writes to its inputs fails (its inputs are compared with pristine
+    #: copies after judged calls). False where programs are other people's code that may work in
+    #: place (problems: `dist.all_reduce(x)` on an argument) and the reference is drawn from the
+    #: seed alone: their calls then need no defensive copy of every input inside the timed region
+    inputs_read_only: bool = True
 
     @property
     def programs_dir(self) -> Path:

@@ -465,10 +465,10 @@ def _check_shape(wl: Workload, program: _Program, shape: Shape, seeds: list[int]
 
 def _judge_run(wl: Workload, program: _Program, shape: Shape, seed: int, inputs: dict[str, torch.Tensor],
                pristine: dict[str, torch.Tensor], out: torch.Tensor, when: str) -> Verdict | None:
-    """Inputs unchanged, then the output `out` against the reference of `seed` (all in the judge):
-    the failure found, or None."""
+    """Inputs unchanged (where the workload's are read-only), then the output `out` against the
+    reference of `seed` (all in the judge): the failure found, or None."""
     ctx = program.ctx
-    changed = program.harness("comparing inputs", modified_inputs, inputs, pristine)
+    changed = program.harness("comparing inputs", modified_inputs, inputs, pristine) if wl.inputs_read_only else []
     if changed:
         return program.located(FailureClass.WRONG_RESULT, f"{when}input {', '.join(map(repr, changed))} was modified")
     ref = program.harness("reference()", wl.reference, shape, ctx.world_size, ctx.rank, seed, ctx.device)
@@ -619,7 +619,8 @@ def _bench(job: _Job, wl: Workload, started: dict[str, _Program], shape: Shape, 
         picked = random.SystemRandom().sample(range(size[name]), min(VERIFY_PER_BATCH, size[name]))
         for call in picked if not batch.unready else []:
             program.seed = batch.seeds[call]
-            pristine = program.staging_sets[call] if ctx.is_cuda else _draw(wl, program, shape, batch.seeds[call])[0]
+            pristine = ({} if not wl.inputs_read_only else program.staging_sets[call] if ctx.is_cuda
+                        else _draw(wl, program, shape, batch.seeds[call])[0])
             failure = _judge_run(wl, program, shape, batch.seeds[call], program.inputs[call], pristine,
                                  program.outs[call], f"benchmark batch {i}, call {call}: ")
             program.judged = program.judged or failure

@@ -146,7 +146,7 @@ def rebuild_args(skeleton: Any, tensors: dict[str, torch.Tensor], group: Callabl
     def walk(value: Any) -> Any:
         if isinstance(value, TensorLeaf):
             tensor = tensors[value.name]
-            return tensor.requires_grad_() if value.requires_grad else tensor
+            return tensor.detach().requires_grad_() if value.requires_grad else tensor  # a leaf of its own
         if isinstance(value, GroupLeaf):
             return group(value.index)
         if isinstance(value, tuple) and not hasattr(value, "_fields"):

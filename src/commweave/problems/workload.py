@@ -77,6 +77,7 @@ class ProblemWorkload(Workload):
     dtype = torch.float32
     baselines = (REFERENCE,)
     seed = REFERENCE
+    inputs_read_only = False  # PKB solutions all-reduce their arguments in place; the reference is the seed's
 
     def __init__(self) -> None:
         self.name = f"problem:{self.problem.name}"
