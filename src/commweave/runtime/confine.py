@@ -552,7 +552,10 @@ def program_process(init: int) -> int | None:
 
 
 def _oldest_child(pid: int) -> int | None:
-    children = [c for c, p in _parents().items() if p == pid]
+    try:  # the kernel's list of the (single-threaded) init's children: no scan of every process
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):  # a kernel without CONFIG_PROC_CHILDREN
+        children = [c for c, p in _parents().items() if p == pid]
     started = {}
     for child in children:
         with contextlib.suppress(OSError, ValueError, IndexError):
