@@ -4,6 +4,7 @@ produces ("Figure: ..."), and every bench/ script the README, docs/ or the NOTES
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -78,3 +79,29 @@ def test_confine_start_times_a_program_process_and_its_confinement():
     for rules in (Confinement(False, False), module.VARIANTS["pid namespace"]):
         ready, confine = module.started(rules)
         assert 0 < confine < ready < 60
+
+
+def test_problems_gpu_script_judges_in_chunks_until_its_deadline_and_archives(tmp_path):
+    """bench/problems_gpu.sh on CPU (DEVICE=cpu, 1 rank, our PKB-layout folder): a chunk's JSON and
+    log come back in one archive; with under 25 s left no chunk starts and the summary names what
+    was not; `twice` of a problem that is not there is one line and exit 2."""
+    import os
+    import subprocess
+    import tarfile
+
+    env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "COMMWEAVE_PKB": str(ROOT / "tests" / "problems" / "pkb"),
+           "PROBLEM_OPTIONS": "--shape 64x32 --dtype float32 --trials 2 --iters 3 --warmup 1"}
+    script = str(BENCH / "problems_gpu.sh")
+    done = subprocess.run(["bash", script, "run", "120", "3"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3_scaled_allreduce: ok" in done.stdout
+    with tarfile.open(tmp_path / "problems-gpu-run.tgz") as archive:
+        names = archive.getnames()
+        [table] = [n for n in names if n.endswith(".json")]
+        rows = json.load(archive.extractfile(table))["rows"]
+    assert "./chunk-1.log" in names and [(r["problem"], r["ok"]) for r in rows] == [("3_scaled_allreduce", True)]
+    late = subprocess.run(["bash", script, "run", "10", "3", "16"], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert late.returncode == 0 and "not started" in late.stdout and "3 16" in late.stdout, late.stdout
+    missing = subprocess.run(["bash", script, "twice", "99"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no problem 99" in missing.stderr, missing.stderr

@@ -318,20 +318,17 @@ def test_a_solution_working_in_place_on_its_arguments_is_judged_correct(tmp_path
     assert not judged["in_place_wrong"]["ok"] and judged["in_place_wrong"]["failure"].startswith("wrong_result")
 
 
-def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """2 CPU ranks: `problems run` on a PKB-layout folder writes the table as JSON (with provenance)
-    and HTML; each row carries the judge's resolution for both programs (calls per timed batch,
-    and no batch the GPU ran before it was queued: `host_bound` names none)."""
-    import commweave.report.results as results
-
-    write = results.write_results
-    monkeypatch.setattr(results, "write_results", lambda *a, **k: write(*a, **{**k, "out_dir": tmp_path}))
+def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path) -> None:
+    """2 CPU ranks: `problems run` on a PKB-layout folder writes the table as JSON (with provenance,
+    into --out-dir) and HTML; each row carries the judge's resolution for both programs (calls per
+    timed batch, and no batch the GPU ran before it was queued: `host_bound` names none)."""
     page = tmp_path / "table.html"
     result = CliRunner().invoke(app, ["problems", "run", str(HERE / "pkb"), "--gpus", "2", "--device", "cpu",
                                       "--shape", "64x32", "--dtype", "float32", "--only", "3", "--trials", "2",
-                                      "--iters", "3", "--warmup", "1", "--out", str(page)])
+                                      "--iters", "3", "--warmup", "1", "--out", str(page), "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
+    bad = CliRunner().invoke(app, ["problems", "run", str(HERE / "pkb"), "--device", "cpu", "--out-dir", str(page)])
+    assert bad.exit_code == 2 and "is a file, not a folder" in " ".join(bad.output.split()), bad.output
     (written,) = tmp_path.glob("problems-pkb-cpu-*.json")
     table = json.loads(written.read_text())
     assert table["commit"] and table["summary"]["ok"] == 1 and page.read_text().count("3_scaled_allreduce")

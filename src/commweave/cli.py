@@ -801,7 +801,8 @@ def problems_run(
     trials: int = typer.Option(5, "--trials", min=2),
     iters: int = typer.Option(30, "--iters", min=1),
     warmup: int = typer.Option(10, "--warmup", min=0),
-    out: Path = typer.Option(None, "--out", help="the HTML table (default: bench/results/problems-<name>-<device>-<stamp>.html)"),
+    out: Path = typer.Option(None, "--out", help="the HTML table (default: beside the JSON, problems-<name>-<device>-<stamp>.html)"),
+    out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where the results JSON goes"),
 ) -> None:
     """Every problem through the judge: one table (HTML, and JSON with provenance in bench/results)."""
     from commweave.problems.format import ProblemError, problems_in
@@ -818,6 +819,7 @@ def problems_run(
         found = problems_in(Path(folder), **_problem_options(shape, dtype))
         if solutions is not None and not solutions.is_dir():
             raise ValueError(f"--solutions {solutions} is not a folder")
+        _check_writable(out_dir, "--out-dir", folder=True)
     except (ProblemError, ValueError) as exc:
         _fail(str(exc))
     if only:
@@ -837,7 +839,7 @@ def problems_run(
     name = f"problems-{'pkb' if source == 'pkb' or (Path(folder) / 'reference').is_dir() else Path(folder).name}-{device}"
     results = write_results(name, {"world_size": gpus, "device": device, "source": str(Path(folder).absolute()),
                                    "solutions": str(solutions) if solutions else None, "summary": totals,
-                                   "rows": rows_json(rows)})
+                                   "rows": rows_json(rows)}, out_dir=out_dir)
     page = write_table(rows_json(rows), totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html"))
     console.print(f"{totals['ok']} of {totals['problems']} correct, {totals['ok_in_band']} with speedup in "
                   f"{totals['band']}; failed by cause: {totals['failed_by_cause']}\nJSON: {results}\nHTML: {page}",
