@@ -622,6 +622,36 @@ def test_freeze_stops_a_whole_tree_until_thaw():
         confine.kill_tree(tree.pid)
 
 
+def test_freeze_stops_the_known_program_process_before_it_scans_proc(monkeypatch):
+    """The program process (below its namespace's init) stops before freeze's first scan of /proc:
+    that scan takes milliseconds on a loaded machine, and a thread of the program that deferred its
+    work past its reply (red team: zeros_then_compute) finished it in them and passed."""
+    init = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(60)"], start_new_session=True)
+    program = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    seen = []
+    scan = confine.descendants
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    def scanned(pid: int, *args):  # stopped by now, or stopping: a SIGSTOP not yet sent never comes
+        deadline = time.monotonic() + 2
+        while state(program.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen.append(state(program.pid))
+        return scan(pid, *args)
+
+    monkeypatch.setattr(confine, "descendants", scanned)
+    try:
+        stopped = confine.freeze(init.pid, [program.pid])
+        assert seen and seen[0] == "T" and stopped == {init.pid, program.pid}
+        confine.thaw(stopped)
+    finally:
+        for process in (init, program):
+            process.kill()
+            process.wait()
+
+
 def test_the_judge_warns_once_for_a_piece_the_machine_refuses(monkeypatch):
     import warnings
 

@@ -415,7 +415,7 @@ class ProgramProcess:
         """Stop the program's processes (`confine.freeze`: its pid namespace's init and all below
         it, or its tree) and wait (until `deadline`) for every thread of the program process to be
         stopped."""
-        self.stopped = confine.freeze(self.pid)
+        self.stopped = confine.freeze(self.pid, [self.program_pid] if self.program_pid else [])
         target = self.program_pid or self.pid
         while time.monotonic() < deadline and not _all_threads_stopped(target):
             time.sleep(0.0001)

@@ -294,23 +294,26 @@ def _wait_dead(pids: set[int], timeout_s: float = 10.0) -> None:
             time.sleep(0.002)
 
 
-def freeze(pid: int) -> frozenset[int]:
+def freeze(pid: int, first: Iterable[int] = ()) -> frozenset[int]:
     """Stop `pid` and every process below it (SIGSTOP, again for whatever a process forked in the
     meantime, until none is new): the whole program stands still until `thaw`, e.g. from the
     moment its reply arrives until the judge has read its output. Give a program's
-    `ProgramProcess.pid` (its pid namespace's init, where it has one) to reach all of it. Returns
-    the processes stopped: a stopped process forks nothing, so `thaw` needs no new scan of /proc
-    (a scan costs ~2 ms on a sandboxed kernel, and the judge freezes once per batch)."""
+    `ProgramProcess.pid` (its pid namespace's init, where it has one) to reach all of it, and the
+    processes known already (the program process) as `first`: they stop before the first scan of
+    /proc, which takes milliseconds (more on a loaded machine), in which a thread of the program
+    could still finish work it deferred past its reply. Returns the processes stopped: a stopped
+    process forks nothing, so `thaw` needs no new scan of /proc (and the judge freezes once per batch)."""
     stopped: set[int] = set()
+    todo = {pid, *first}
     for _ in range(50):
-        todo = ({pid} | descendants(pid)) - stopped
-        if not todo:
-            break
         for victim in todo:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(victim, signal.SIGSTOP)
         stopped |= todo
         time.sleep(0.001)
+        todo = ({pid} | descendants(pid)) - stopped
+        if not todo:
+            break
     return frozenset(stopped)
 
 
