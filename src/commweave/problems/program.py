@@ -3,10 +3,10 @@
 `solution_program` wraps a solution's source (a problem's reference, or a candidate's) in the
 program format: `setup` executes it as a module, `run` rebuilds the arguments from the judge's
 input buffers (values.py: the tensors, the skeleton, the process groups the input maker made,
-created again in this process's own group in the same order), calls `solution` on copies of the
-tensors (a reference may update its inputs in place; the judge forbids changing the buffers),
-and writes the flattened result into `out`. The copies and the skeleton read are in every
-program's time alike. A skeleton that never changes with the seed comes once, in the shape
+created again in this process's own group in the same order), calls `solution` on the judge's
+own input tensors for the call (no copy: a reference may update its inputs in place, which a
+problem's judge allows, `Workload.inputs_read_only`), and writes the flattened result into
+`out`. The unpacking and the result's conversion are in every program's time alike. A skeleton that never changes with the seed comes once, in the shape
 (workload.Layout.constant); only one that does is read back from the `args` input on every
 call, and that read waits for the GPU. A plain `dist.new_group(ranks)` made inside a solution
 returns the group first made for those ranks: group creation is a program's setup, and a
@@ -97,7 +97,6 @@ class Bound:
 
     def run(self, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> None:
         skeleton, order = self.constant or unpack_skeleton(inputs[ARGS])
-        tensors = {k: v for k, v in inputs.items() if k != ARGS}  # the judge's own set for this call: no copy
-        args = rebuild_args(skeleton, tensors, lambda index: self._group(order, index))
+        args = rebuild_args(skeleton, inputs, lambda index: self._group(order, index))  # no leaf is named ARGS
         result = self.solution(*args)
         write_result(result_leaves(args if result is None else result), out)
