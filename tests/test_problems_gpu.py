@@ -2,7 +2,8 @@
 returning another trial's output and one doing the work twice, told apart as on CPU
 (test_problems_cpu.py). At W = 1 the CPU suite's wrong solution (no all-gather) is right, so the
 wrong one here is off by 1 %, ten times the problem's tolerance. The twice-work one reads about
-half: the judge times what the GPU does, not a wait per call."""
+half: the judge times what the GPU does, not a wait per call. The reference workers hand their
+draws over on the GPU and get the memory back once the judge lets go."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from commweave.problems.format import load_problem
 from commweave.problems.judge import judge, probe
+from commweave.problems.service import ReferenceWorkers
 from commweave.runtime.pool import WorkerPool
 
 HERE = Path(__file__).parent / "problems"
@@ -40,3 +42,29 @@ def test_judge_tells_right_wrong_stale_and_slow_apart_on_one_gpu() -> None:
             assert not verdict.ok and verdict.failure.startswith("wrong_result"), verdict
         slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), warmup=3, iters=10, layout=layout)
         assert slow.ok and 0.4 < slow.speedup < 0.7, slow  # the product twice, the wrapper's copies once
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")
+def test_reference_workers_hand_draws_over_on_the_gpu_and_get_their_memory_back() -> None:
+    """1 GPU. A draw's tensors arrive on the judge's GPU (CUDA IPC, no trip through the host), the
+    same values for the same seed; 640 draws of 8 MiB taken and let go leave the worker's memory
+    where one request's worth is (the worker frees what the judge has let go of)."""
+    workers = ReferenceWorkers(1, "cuda")
+    try:
+        workers.load(load_problem(OWN))
+        tensors = workers.request("inputs", [7, 8], 0)[0][0]
+        again = workers.request("inputs", [7], 0)[0][0]
+        assert sorted(tensors) == sorted(again) and len(tensors) == 2
+        for name, tensor in tensors.items():
+            assert tensor.device == torch.device("cuda", 0) and tensor.shape == (1024, 1024)
+            assert torch.equal(tensor, again[name]) and tensor.abs().sum() > 0
+        del tensors, again
+        free = torch.cuda.mem_get_info()[0]
+        for first in range(0, 640, 16):
+            draws = workers.request("inputs", list(range(first, first + 16)), 0)
+            assert all(t.is_cuda for draw in draws for t in draw[0].values())
+            del draws
+        assert torch.cuda.mem_get_info()[0] > free - (512 << 20)
+    finally:
+        workers.close()
