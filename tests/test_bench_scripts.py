@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -105,3 +106,24 @@ def test_problems_gpu_script_judges_in_chunks_until_its_deadline_and_archives(tm
     assert late.returncode == 0 and "not started" in late.stdout and "3 16" in late.stdout, late.stdout
     missing = subprocess.run(["bash", script, "twice", "99"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no problem 99" in missing.stderr, missing.stderr
+
+
+def test_problem_phases_times_a_judge_by_part(tmp_path):
+    """bench/problem_phases.py on CPU (2 ranks, our own problem judging itself): the evaluation's
+    phases fit inside the judge's time, and the results JSON is written where asked."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(BENCH / "problem_phases.py"), str(ROOT / "tests" / "problems" / "allgather_matmul.py"),
+                           "--device", "cpu", "--gpus", "2", "--trials", "2", "--warmup", "1", "--iters", "3",
+                           "--out-dir", str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [written] = tmp_path.glob("problems-judge-phases-cpu-*.json")
+    [row] = json.loads(written.read_text())["rows"]
+    assert row["verdict"]["ok"] and row["world_size"] == 2 and row["iters"] == 3
+    [evaluation] = row["evaluations"]
+    assert {"checks", "warmup", "timing"} <= set(evaluation["phases"])
+    # each phase is the slowest rank's: their sum stays within every rank's share of the evaluation
+    assert 0 < sum(evaluation["phases"].values()) <= evaluation["seconds"] * row["world_size"]
+    assert evaluation["seconds"] <= row["judge_s"]
