@@ -158,8 +158,15 @@ def _drawn(args: Any, recorder: _Recorder, on_device: bool) -> tuple[dict[str, A
     """One draw as it travels: its tensors (on the GPU by IPC where `on_device`, else on the host),
     its skeleton and the groups made so far."""
     tensors, skeleton = flatten_args(args, recorder.index)
-    return ({k: _OnDevice(v) if on_device and v.is_cuda and v.untyped_storage().nbytes() else v.cpu()
-             for k, v in tensors.items()}, (skeleton, list(recorder.order)))
+    return ({k: _OnDevice(v) if on_device and _shareable(v) else v.cpu() for k, v in tensors.items()},
+            (skeleton, list(recorder.order)))
+
+
+def _shareable(tensor: torch.Tensor) -> bool:
+    """A dense GPU tensor with memory behind it (CUDA IPC maps an allocation; sparse, nested and
+    empty ones travel by value)."""
+    return (tensor.is_cuda and tensor.layout == torch.strided and not tensor.is_nested
+            and tensor.untyped_storage().nbytes() > 0)
 
 
 def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: str, parent: int) -> None:
