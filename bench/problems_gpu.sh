@@ -58,7 +58,7 @@ case "$MODE" in
       for sol in "$ref" "$twice"; do
         what=$([ "$sol" = "$ref" ] && echo itself || echo twice)
         began=$(date +%s)
-        timeout 90 python -m commweave judge "$ref" "$sol" --gpus 1 --device "$DEVICE" "${OPTIONS[@]}" --json \
+        timeout 180 python -m commweave judge "$ref" "$sol" --gpus 1 --device "$DEVICE" "${OPTIONS[@]}" --json \
           > "$STAGE/judge-$n-$what.json" 2> "$STAGE/judge-$n-$what.err"
         echo "[#$n $what] rc=$? $(( $(date +%s) - began ))s $(tail -1 "$STAGE/judge-$n-$what.json")" | tee -a "$STAGE/summary.txt"
         archive

@@ -47,8 +47,8 @@ def test_judge_tells_right_wrong_stale_and_slow_apart_on_one_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs 1 CUDA GPU")
 def test_reference_workers_hand_draws_over_on_the_gpu_and_get_their_memory_back() -> None:
-    """1 GPU. A draw's tensors arrive on the judge's GPU (CUDA IPC, no trip through the host), the
-    same values for the same seed; 640 draws of 8 MiB taken and let go leave the worker's memory
+    """1 GPU. A draw's tensors and a reference's result arrive on the judge's GPU (CUDA IPC, no
+    trip through the host), the same values for the same seed; 640 draws of 8 MiB taken and let go leave the worker's memory
     where one request's worth is (the worker frees what the judge has let go of)."""
     workers = ReferenceWorkers(1, "cuda")
     try:
@@ -59,7 +59,10 @@ def test_reference_workers_hand_draws_over_on_the_gpu_and_get_their_memory_back(
         for name, tensor in tensors.items():
             assert tensor.device == torch.device("cuda", 0) and tensor.shape == (1024, 1024)
             assert torch.equal(tensor, again[name]) and tensor.abs().sum() > 0
-        del tensors, again
+        result = workers.request("reference", 7, 0)  # at one rank: A @ B, then the constant 1.0
+        expected = torch.cat([(tensors["t0"] @ tensors["t1"]).flatten(), torch.ones(1, device="cuda")])
+        assert result.device == torch.device("cuda", 0) and torch.allclose(result, expected, rtol=1e-3, atol=1e-2)
+        del tensors, again, result
         free = torch.cuda.mem_get_info()[0]
         for first in range(0, 640, 16):
             draws = workers.request("inputs", list(range(first, first + 16)), 0)

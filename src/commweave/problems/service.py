@@ -9,7 +9,8 @@ problem's code runs here (the user's trusted reference and input maker), never a
 Requests: ('load', problem) makes it the one they run (workers outlive a problem, so a suite
 starts them once per judge); ('inputs', seeds) -> per seed, this rank's arguments as
 `values.flatten_args` splits them and the groups the input maker made (a judge's batch in one
-round trip; on GPUs the tensors stay in the worker's memory and cross by CUDA IPC); ('reference', seed) -> the reference's result as one vector; ('trace', seed) -> the
+round trip); ('reference', seed) -> the reference's result as one vector (on GPUs both stay in
+the worker's memory and reach the judge by CUDA IPC); ('trace', seed) -> the
 ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
 """
 
@@ -141,10 +142,10 @@ def _maker(problem: Problem) -> Any:
 
 
 class _OnDevice:
-    """A GPU tensor that reaches the judge by CUDA IPC (torch.multiprocessing's reduction): the
-    judge maps this worker's memory, waits on its IPC event and copies device to device, instead
-    of the bytes going to the host, through torch.save and a socket and back (~6 ms a 4 MiB draw
-    on an H100: most of a problem's timed phase). The worker keeps the memory until the judge
+    """A GPU tensor (a drawn argument, a reference's result) that reaches the judge by CUDA IPC
+    (torch.multiprocessing's reduction): the judge maps this worker's memory, waits on its IPC
+    event and copies device to device, instead of the bytes going to the host, through torch.save
+    and a socket and back (~6 ms a 4 MiB draw on an H100: most of a problem's timed phase). The worker keeps the memory until the judge
     lets go (torch's IPC reference count; `torch.cuda.ipc_collect` frees it then)."""
 
     def __init__(self, tensor: torch.Tensor):
@@ -158,15 +159,17 @@ def _drawn(args: Any, recorder: _Recorder, on_device: bool) -> tuple[dict[str, A
     """One draw as it travels: its tensors (on the GPU by IPC where `on_device`, else on the host),
     its skeleton and the groups made so far."""
     tensors, skeleton = flatten_args(args, recorder.index)
-    return ({k: _OnDevice(v) if on_device and _shareable(v) else v.cpu() for k, v in tensors.items()},
-            (skeleton, list(recorder.order)))
+    return {k: _traveling(v, on_device) for k, v in tensors.items()}, (skeleton, list(recorder.order))
 
 
-def _shareable(tensor: torch.Tensor) -> bool:
-    """A dense GPU tensor with memory behind it (CUDA IPC maps an allocation; sparse, nested and
-    empty ones travel by value)."""
-    return (tensor.is_cuda and tensor.layout == torch.strided and not tensor.is_nested
-            and tensor.untyped_storage().nbytes() > 0)
+def _traveling(tensor: torch.Tensor, on_device: bool) -> torch.Tensor | _OnDevice:
+    """A tensor as it goes to the judge: by CUDA IPC where `on_device` and it is a dense GPU tensor
+    with memory behind it (IPC maps an allocation), else its values on the host (sparse, nested,
+    empty, CPU tensors; every tensor on CPU workers)."""
+    if (on_device and tensor.is_cuda and tensor.layout == torch.strided and not tensor.is_nested
+            and tensor.untyped_storage().nbytes() > 0):
+        return _OnDevice(tensor)
+    return tensor.cpu()
 
 
 def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: str, parent: int) -> None:
@@ -220,7 +223,7 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             else:
                 args = make(rank, world_size, arg, device)
                 result = solution(*args)
-                value = flatten_result(args if result is None else result).cpu()
+                value = _traveling(flatten_result(args if result is None else result), send and device.type == "cuda")
             conn.send_bytes(_dumps(("ok", value if send else None, "")))
         except Exception as exc:  # noqa: BLE001 - the problem's own failure, reported to the judge
             conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))

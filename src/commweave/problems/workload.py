@@ -184,9 +184,9 @@ class ProblemWorkload(Workload):
         if result.numel() > capacity:
             raise ValueError(f"the reference's result has {result.numel()} elements on rank {rank}, more than the "
                              f"{capacity} its first probes had (a result whose size varies this much cannot be judged)")
-        padded = torch.zeros(capacity, dtype=torch.float32)
-        padded[:result.numel()] = result
-        return padded.to(device)
+        padded = torch.zeros(capacity, dtype=torch.float32, device=device)
+        padded[:result.numel()] = result  # on GPUs already there (the workers' IPC), copied device to device
+        return padded
 
     def untouched(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> torch.Tensor | None:
         if self.layout.fixed:
