@@ -297,25 +297,20 @@ def test_pkb_layout_with_a_group_and_a_scalar_through_the_cli() -> None:
     assert missing.exit_code == 2 and "nope.py: no such file" in missing.output
 
 
-def test_a_solution_working_in_place_on_its_arguments_is_judged_correct(tmp_path: Path) -> None:
+def test_a_solution_working_in_place_on_its_arguments_is_judged_correct() -> None:
     """2 CPU ranks: PKB solutions all-reduce their arguments in place. The judge hands a call its
     own input set (no copy inside the timed region) and does not fail a problem's program for
     writing to it; the output still has to match the reference drawn from the seed."""
-    ref = HERE / "pkb" / "reference" / "3_scaled_allreduce.py"
-    in_place = tmp_path / "3_scaled_allreduce.py"
-    in_place.write_text("import torch.distributed as dist\n\n\ndef solution(x, scale, group):\n"
-                        "    x.mul_(scale)\n    dist.all_reduce(x, group=group)\n    return x\n")
-    args = ["--gpus", "2", "--device", "cpu", "--shape", "64x32", "--dtype", "float32", "--trials", "2", "--iters", "5",
-            "--warmup", "1", "--json"]
-    judged = {}
-    for name, text in (("in_place", None), ("in_place_wrong", "    x.mul_(scale)\n    x.add_(1)\n")):
-        if text is not None:
-            in_place.write_text(in_place.read_text().replace("    x.mul_(scale)\n", text))
-        result = CliRunner().invoke(app, ["judge", str(ref), str(in_place), *args])
-        assert result.exit_code == 0, result.output
-        judged[name] = json.loads(result.stdout.strip().splitlines()[-1])
-    assert judged["in_place"]["ok"], judged["in_place"]
-    assert not judged["in_place_wrong"]["ok"] and judged["in_place_wrong"]["failure"].startswith("wrong_result")
+    problem = load_problem(HERE / "pkb" / "reference" / "3_scaled_allreduce.py", base_shape=(64, 32), dtype="float32")
+    in_place = ("import torch.distributed as dist\n\n\ndef solution(x, scale, group):\n"
+                "    x.mul_(scale)\n    dist.all_reduce(x, group=group)\n    return x\n")
+    with WorkerPool(2, "cpu", job_timeout_s=120) as pool:
+        layout = probe(pool, problem)
+        right = judge(pool, problem, in_place, trials=2, warmup=1, iters=5, layout=layout)
+        wrong = judge(pool, problem, in_place.replace("x.mul_(scale)\n", "x.mul_(scale)\n    x.add_(1)\n"), trials=2,
+                      warmup=1, iters=5, layout=layout)
+    assert right.ok, right
+    assert not wrong.ok and wrong.failure.startswith("wrong_result"), wrong
 
 
 def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path) -> None:
