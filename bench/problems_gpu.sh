@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Figure: the problem judge on one GPU (docs/problems.md, issue 33's W = 1 table): every PKB problem
-# judging itself, in chunks, until a deadline; and the twice-work check of the judge's fidelity.
+# judging itself in one run until a deadline; and the twice-work check of the judge's fidelity.
 # Usage on the device machine (repository root, a PKB checkout in $COMMWEAVE_PKB, $OUT where results come back):
 #   COMMWEAVE_COMMIT=<sha> bash bench/problems_gpu.sh run [SECONDS] [N ...]   # problems N... (default all), until SECONDS (540)
 #   COMMWEAVE_COMMIT=<sha> bash bench/problems_gpu.sh twice N [N ...]         # PKB #N against itself and against twice its work
-# `run` judges 6 problems per `problems run` and starts no chunk with under 25 s left, so a call
-# under the tool's 10 minutes returns every finished chunk: each chunk's JSON (bench/results
-# format: unpack it there) and log go into one archive, $OUT/problems-gpu-<mode>.tgz, rebuilt after
-# every step; summary.txt lists the steps, and which problems were not started. DEVICE=cpu runs
+# `run` judges them in one `problems run` (one pool), stopped at the deadline (it starts nothing
+# with under 25 s left); `problems run` rewrites its JSON after every problem, so a stopped run
+# keeps what it judged. Its JSON (bench/results format: unpack it there) and log go into one
+# archive, $OUT/problems-gpu-<mode>.tgz, rebuilt every 30 s and at the end; summary.txt says which
+# problems were not judged (their numbers, to pass to the next call). DEVICE=cpu runs
 # the same on CPU ranks (a dry run), PROBLEM_OPTIONS adds options to every judge (e.g. "--iters 10"). `twice` writes, per problem, a
 # solution that calls the reference twice a call; it should read ~0.5x where the GPU's work
 # dominates a call (a reference that writes its arguments in place reads wrong_result instead).
@@ -38,17 +39,24 @@ case "$MODE" in
     if [ $# -eq 0 ]; then
       set -- $(ls "$COMMWEAVE_PKB"/reference | sed -n 's/^\([0-9]\+\)_.*\.py$/\1/p' | sort -n)
     fi
-    i=0
-    while [ $# -gt 0 ]; do
-      left=$(( DEADLINE - $(date +%s) ))
-      if [ "$left" -lt 25 ]; then echo "not started (${left} s left): $*" | tee -a "$STAGE/summary.txt"; break; fi
-      only=$(echo "${@:1:6}" | tr ' ' ','); shift $(( $# < 6 ? $# : 6 )); i=$((i + 1))
-      began=$(date +%s)
-      timeout "$left" python -m commweave problems run pkb --gpus 1 --device "$DEVICE" --only "$only" \
-        "${OPTIONS[@]}" --out "$STAGE/chunk-$i.html" --out-dir "$STAGE" > "$STAGE/chunk-$i.log" 2>&1
-      echo "[chunk $i: $only] rc=$? $(( $(date +%s) - began ))s" | tee -a "$STAGE/summary.txt"
-      archive
-    done ;;
+    left=$(( DEADLINE - $(date +%s) ))
+    if [ "$left" -lt 25 ]; then
+      echo "not started (${left} s left): $*" | tee -a "$STAGE/summary.txt"
+    else
+      ( trap 'kill $nap 2>/dev/null; exit 0' TERM; while :; do sleep 30 & nap=$!; wait $nap; archive; done ) \
+        > /dev/null 2>&1 & archiver=$!
+      timeout "$left" python -m commweave problems run pkb --gpus 1 --device "$DEVICE" --only "$(echo "$@" | tr ' ' ',')" \
+        "${OPTIONS[@]}" --out "$STAGE/problems.html" --out-dir "$STAGE" > "$STAGE/problems.log" 2>&1
+      echo "[problems $*] rc=$? $(( $(date +%s) - START ))s" | tee -a "$STAGE/summary.txt"
+      kill "$archiver" 2>/dev/null; wait "$archiver" 2>/dev/null
+      python - "$STAGE" "$@" <<'PY' | tee -a "$STAGE/summary.txt"
+import glob, json, sys
+tables = sorted(glob.glob(f"{sys.argv[1]}/problems-*.json"))
+pending = json.load(open(tables[-1])).get("not_judged_yet", []) if tables else sys.argv[2:]
+if pending:
+    print("not judged (deadline):", " ".join(name.split("_")[0] for name in pending))
+PY
+    fi ;;
   twice)
     [ $# -gt 0 ] || { echo "twice: name at least one problem number" >&2; exit 2; }
     for n in "$@"; do
@@ -69,4 +77,4 @@ esac
 archive
 echo "==== summary ($RETURN/problems-gpu-$MODE.tgz)"
 cat "$STAGE/summary.txt"
-grep -h '^[0-9]*_.*: ' "$STAGE"/chunk-*.log 2>/dev/null || true
+grep -h '^[0-9]*_.*: ' "$STAGE"/problems.log 2>/dev/null || true

@@ -82,10 +82,11 @@ def test_confine_start_times_a_program_process_and_its_confinement():
         assert 0 < confine < ready < 60
 
 
-def test_problems_gpu_script_judges_in_chunks_until_its_deadline_and_archives(tmp_path):
-    """bench/problems_gpu.sh on CPU (DEVICE=cpu, 1 rank, our PKB-layout folder): a chunk's JSON and
-    log come back in one archive; with under 25 s left no chunk starts and the summary names what
-    was not; `twice` of a problem that is not there is one line and exit 2."""
+def test_problems_gpu_script_judges_until_its_deadline_and_archives(tmp_path):
+    """bench/problems_gpu.sh on CPU (DEVICE=cpu, 1 rank, our PKB-layout folder): the run's JSON and
+    log come back in one archive, and the summary names no problem as not judged; with under 25 s
+    left nothing starts and the summary names what was not; `twice` of a problem that is not there
+    is one line and exit 2."""
     import os
     import subprocess
     import tarfile
@@ -100,7 +101,8 @@ def test_problems_gpu_script_judges_in_chunks_until_its_deadline_and_archives(tm
         names = archive.getnames()
         [table] = [n for n in names if n.endswith(".json")]
         rows = json.load(archive.extractfile(table))["rows"]
-    assert "./chunk-1.log" in names and [(r["problem"], r["ok"]) for r in rows] == [("3_scaled_allreduce", True)]
+    assert "./problems.log" in names and [(r["problem"], r["ok"]) for r in rows] == [("3_scaled_allreduce", True)]
+    assert "not judged" not in done.stdout, done.stdout
     late = subprocess.run(["bash", script, "run", "10", "3", "16"], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert late.returncode == 0 and "not started" in late.stdout and "3 16" in late.stdout, late.stdout

@@ -313,6 +313,27 @@ def test_a_solution_working_in_place_on_its_arguments_is_judged_correct() -> Non
     assert not wrong.ok and wrong.failure.startswith("wrong_result"), wrong
 
 
+def test_problems_run_keeps_what_it_judged_when_stopped_midway(tmp_path: Path, monkeypatch) -> None:
+    """No ranks: `problems run` rewrites its JSON and HTML after every problem, so a run stopped
+    after the first of two (here: the second raises, as a deadline's SIGTERM would end it) leaves
+    the first row on disk and names the other as not judged yet."""
+    import commweave.problems.suite as suite
+
+    def first_then_stopped(problems, world_size, device, solutions=None, *, progress=None, **options):
+        progress(suite.Row(problems[0].name, problems[0].reference, "ok", True, 1.0, 10.0, 10.0, "", 1.0))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "run_problems", first_then_stopped)
+    result = CliRunner().invoke(app, ["problems", "run", str(HERE / "pkb"), "--device", "cpu", "--gpus", "2",
+                                      "--only", "3,16", "--out-dir", str(tmp_path)])
+    assert result.exit_code != 0
+    [written] = tmp_path.glob("problems-pkb-cpu-*.json")
+    table = json.loads(written.read_text())
+    assert [r["problem"] for r in table["rows"]] == ["3_scaled_allreduce"] and table["summary"]["ok"] == 1
+    assert table["not_judged_yet"] == ["16_matmul_reducescatter"], table
+    assert written.with_suffix(".html").is_file()
+
+
 def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path) -> None:
     """2 CPU ranks: `problems run` on a PKB-layout folder writes the table as JSON (with provenance,
     into --out-dir) and HTML; each row carries the judge's resolution for both programs (calls per

@@ -804,12 +804,14 @@ def problems_run(
     out: Path = typer.Option(None, "--out", help="the HTML table (default: beside the JSON, problems-<name>-<device>-<stamp>.html)"),
     out_dir: Path = typer.Option(RESULTS_DIR, "--out-dir", help="where the results JSON goes"),
 ) -> None:
-    """Every problem through the judge: one table (HTML, and JSON with provenance in bench/results)."""
+    """Every problem through the judge: one table (HTML, and JSON with provenance in bench/results),
+    rewritten after each problem (until the last, `not_judged_yet` lists the rest)."""
     from commweave.problems.format import ProblemError, problems_in
     from commweave.problems.judge import host_bound
-    from commweave.problems.suite import rows_json, run_problems, summary
+    from commweave.problems.suite import rows_json, run_problems, solution_for, summary
     from commweave.report.problems import write_table
     from commweave.report.results import write_results
+    from commweave.runtime.provenance import Provenance
 
     _device_or_fail(device, gpus)
     folder = os.environ.get("COMMWEAVE_PKB", "") if source == "pkb" else source
@@ -828,19 +830,30 @@ def problems_run(
         if not found:
             _fail(f"--only {only} matches no problem in {folder}")
 
+    name = f"problems-{'pkb' if source == 'pkb' or (Path(folder) / 'reference').is_dir() else Path(folder).name}-{device}"
+    origin = Provenance.now()  # one file, rewritten after every problem: a run stopped midway keeps what it judged
+    queued = [p.name for p in found if solution_for(p, solutions) is not None]
+    judged: list[Any] = []
+
+    def record(rows: list[Any]) -> tuple[Path, Path, dict[str, Any]]:
+        totals = summary(rows)
+        payload = {"world_size": gpus, "device": device, "source": str(Path(folder).absolute()),
+                   "solutions": str(solutions) if solutions else None, "summary": totals, "rows": rows_json(rows)}
+        if len(rows) < len(queued):
+            payload["not_judged_yet"] = queued[len(rows):]
+        results = write_results(name, payload, out_dir=out_dir, provenance=origin)
+        return results, write_table(rows_json(rows), totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html")), totals
+
     def progress(row: Any) -> None:
         speed = f"{row.speedup:.2f}x" if row.speedup is not None else "-"
         late = host_bound(row.resolution)
         speed += f" (host's pace in batches of the {' and the '.join(late)})" if late else ""
         console.print(f"{row.problem}: {row.cause} {speed} ({row.seconds:.0f} s) {escape(row.message)}", highlight=False)
+        judged.append(row)
+        record(judged)
 
     rows = run_problems(found, gpus, device, solutions, trials=trials, warmup=warmup, iters=iters, progress=progress)
-    totals = summary(rows)
-    name = f"problems-{'pkb' if source == 'pkb' or (Path(folder) / 'reference').is_dir() else Path(folder).name}-{device}"
-    results = write_results(name, {"world_size": gpus, "device": device, "source": str(Path(folder).absolute()),
-                                   "solutions": str(solutions) if solutions else None, "summary": totals,
-                                   "rows": rows_json(rows)}, out_dir=out_dir)
-    page = write_table(rows_json(rows), totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html"))
+    results, page, totals = record(rows)
     console.print(f"{totals['ok']} of {totals['problems']} correct, {totals['ok_in_band']} with speedup in "
                   f"{totals['band']}; failed by cause: {totals['failed_by_cause']}\nJSON: {results}\nHTML: {page}",
                   highlight=False)
