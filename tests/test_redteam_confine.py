@@ -622,14 +622,37 @@ def test_freeze_stops_a_whole_tree_until_thaw():
         confine.kill_tree(tree.pid)
 
 
-def test_freeze_stops_the_known_program_process_before_it_scans_proc(monkeypatch):
-    """The program process (below its namespace's init) stops before freeze's first scan of /proc:
-    that scan takes milliseconds on a loaded machine, and a thread of the program that deferred its
-    work past its reply (red team: zeros_then_compute) finished it in them and passed."""
+def test_the_walk_down_the_kernels_children_lists_finds_what_a_scan_of_proc_finds():
+    """`below` (freeze's walk) finds a grandchild and a child forked by a thread other than the
+    main one (the kernel lists it under that thread), as `descendants` (a scan of /proc) does."""
+    tree = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys, threading, time\n"
+                             "def spawn():\n"
+                             "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                             "    time.sleep(60)\n"
+                             "threading.Thread(target=spawn, daemon=True).start()\n"
+                             "if os.fork() == 0:\n    subprocess.Popen(['sleep', '60']); time.sleep(60)\n"
+                             "time.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(confine.descendants(tree.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found = confine.descendants(tree.pid)
+        assert len(found) == 3 and confine.below(tree.pid) == found
+        if confine._children_lists():  # the main thread's own list lacks the thread's child
+            main = {int(c) for c in Path(f"/proc/{tree.pid}/task/{tree.pid}/children").read_text().split()}
+            assert len({c for c in found if confine.proc_parent(c) == tree.pid} - main) == 1
+    finally:
+        confine.kill_tree(tree.pid)
+
+
+def test_freeze_stops_the_known_program_process_before_it_walks_the_tree(monkeypatch):
+    """The program process (below its namespace's init) stops before freeze's first walk of the
+    tree: a scan of /proc took milliseconds on a loaded machine, and a thread of the program that
+    deferred its work past its reply (red team: zeros_then_compute) finished it in them and passed."""
     init = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(60)"], start_new_session=True)
     program = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     seen = []
-    scan = confine.descendants
+    scan = confine.below
 
     def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -641,7 +664,7 @@ def test_freeze_stops_the_known_program_process_before_it_scans_proc(monkeypatch
         seen.append(state(program.pid))
         return scan(pid, *args)
 
-    monkeypatch.setattr(confine, "descendants", scanned)
+    monkeypatch.setattr(confine, "below", scanned)
     try:
         stopped = confine.freeze(init.pid, [program.pid])
         assert seen and seen[0] == "T" and stopped == {init.pid, program.pid}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import pwd
@@ -231,6 +232,42 @@ def descendants(pid: int, parents: dict[int, int] | None = None) -> set[int]:
     return found
 
 
+@functools.cache
+def _children_lists() -> bool:
+    """Whether the kernel keeps each thread's children list (/proc/<pid>/task/<tid>/children)."""
+    return Path(f"/proc/self/task/{os.getpid()}/children").exists()
+
+
+def children(pid: int) -> set[int]:
+    """`pid`'s children from the kernel's lists, every thread's (a thread's forks are listed under
+    it), without reading every process's stat; a scan of /proc where the kernel keeps no lists."""
+    if not _children_lists():
+        return {child for child, parent in _parents().items() if parent == pid}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return set()
+    found: set[int] = set()
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            found.update(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+    return found
+
+
+def below(pid: int) -> set[int]:
+    """Every process below `pid`, down the kernel's children lists: the cost grows with the tree,
+    not with every process on the machine (`descendants`: ~2 ms with 70 processes, more on a
+    busy machine). A list can miss a fork racing the walk; `freeze` walks again until nothing is
+    new, once what it found is stopped."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children(todo.pop()) - found:
+            found.add(child)
+            todo.append(child)
+    return found
+
+
 def left_session(root: int, program: int | None = None) -> set[int]:
     """Live processes below `root` that left the program process `program` (default: `root`
     itself; else below it, as below its pid namespace's init): in a session other
@@ -299,10 +336,10 @@ def freeze(pid: int, first: Iterable[int] = ()) -> frozenset[int]:
     meantime, until none is new): the whole program stands still until `thaw`, e.g. from the
     moment its reply arrives until the judge has read its output. Give a program's
     `ProgramProcess.pid` (its pid namespace's init, where it has one) to reach all of it, and the
-    processes known already (the program process) as `first`: they stop before the first scan of
-    /proc, which takes milliseconds (more on a loaded machine), in which a thread of the program
-    could still finish work it deferred past its reply. Returns the processes stopped: a stopped
-    process forks nothing, so `thaw` needs no new scan of /proc (and the judge freezes once per batch)."""
+    processes known already (the program process) as `first`: they stop before the first walk of
+    the tree, in which a thread of the program could still finish work it deferred past its
+    reply. Returns the processes stopped: a stopped process forks nothing, so `thaw` needs no new
+    walk (and the judge freezes once per batch)."""
     stopped: set[int] = set()
     todo = {pid, *first}
     for _ in range(50):
@@ -311,7 +348,7 @@ def freeze(pid: int, first: Iterable[int] = ()) -> frozenset[int]:
                 os.kill(victim, signal.SIGSTOP)
         stopped |= todo
         time.sleep(0.001)
-        todo = ({pid} | descendants(pid)) - stopped
+        todo = ({pid} | below(pid)) - stopped
         if not todo:
             break
     return frozenset(stopped)
@@ -555,12 +592,8 @@ def program_process(init: int) -> int | None:
 
 
 def _oldest_child(pid: int) -> int | None:
-    try:  # the kernel's list of the (single-threaded) init's children: no scan of every process
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):  # a kernel without CONFIG_PROC_CHILDREN
-        children = [c for c, p in _parents().items() if p == pid]
     started = {}
-    for child in children:
+    for child in children(pid):
         with contextlib.suppress(OSError, ValueError, IndexError):
             started[child] = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
     return min(started, key=lambda c: (started[c], c)) if started else None
