@@ -145,8 +145,9 @@ class _OnDevice:
     """A GPU tensor (a drawn argument, a reference's result) that reaches the judge by CUDA IPC
     (torch.multiprocessing's reduction): the judge maps this worker's memory, waits on its IPC
     event and copies device to device, instead of the bytes going to the host, through torch.save
-    and a socket and back (~6 ms a 4 MiB draw on an H100: most of a problem's timed phase). The worker keeps the memory until the judge
-    lets go (torch's IPC reference count; `torch.cuda.ipc_collect` frees it then)."""
+    and a socket and back (~6 ms a 4 MiB draw on an H100: most of a problem's timed phase). The
+    worker keeps the memory until the judge lets go (torch's IPC reference count;
+    `torch.cuda.ipc_collect` frees it then)."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor.detach()  # whether it asks for gradients travels in the skeleton
