@@ -645,6 +645,29 @@ def test_the_walk_down_the_kernels_children_lists_finds_what_a_scan_of_proc_find
         confine.kill_tree(tree.pid)
 
 
+def test_freeze_stops_a_tree_that_keeps_forking():
+    """A process forking all the time (a child each ~millisecond, each sleeping on): once freeze
+    returns, every process below it is stopped, forks that raced the walk included (freeze waits
+    for what it stopped to stand still, then walks again until nothing is new)."""
+    tree = subprocess.Popen([sys.executable, "-c", "import os, time\n"
+                             "for _ in range(400):\n"
+                             "    if os.fork() == 0:\n        time.sleep(60); os._exit(0)\n"
+                             "    time.sleep(0.001)\n"
+                             "time.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(confine.descendants(tree.pid)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopped = confine.freeze(tree.pid)
+        time.sleep(0.05)  # a child missed would have been forked by now, and would be running
+        below = confine.descendants(tree.pid)
+        assert len(below) >= 20 and below | {tree.pid} <= stopped
+        assert all(confine.all_threads_stopped(p) for p in below | {tree.pid})
+        confine.thaw(stopped)
+    finally:
+        confine.kill_tree(tree.pid)
+
+
 def test_freeze_stops_the_known_program_process_before_it_walks_the_tree(monkeypatch):
     """The program process (below its namespace's init) stops before freeze's first walk of the
     tree: a scan of /proc took milliseconds on a loaded machine, and a thread of the program that

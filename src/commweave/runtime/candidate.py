@@ -417,7 +417,7 @@ class ProgramProcess:
         stopped."""
         self.stopped = confine.freeze(self.pid, [self.program_pid] if self.program_pid else [])
         target = self.program_pid or self.pid
-        while time.monotonic() < deadline and not _all_threads_stopped(target):
+        while time.monotonic() < deadline and not confine.all_threads_stopped(target):
             time.sleep(0.0001)
 
     def resume(self) -> None:
@@ -442,23 +442,6 @@ class ProgramProcess:
         orphans = confine.kill_tree(os.getpid(), keep=[self.zygote.pid, *_OWN_CHILDREN], include_root=False)
         self.workdir.close()
         return len(left) + orphans
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    """Every thread of `pid` is stopped (or gone)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
-                state = stat.read().rpartition(b")")[2].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in (b"T", b"t", b"Z", b"X"):
-            return False
-    return True
 
 
 def make_rendezvous() -> Path:

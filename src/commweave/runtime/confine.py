@@ -331,6 +331,26 @@ def _wait_dead(pids: set[int], timeout_s: float = 10.0) -> None:
             time.sleep(0.002)
 
 
+STOP_WAIT_S = 0.05  # freeze's wait for a stopped process's threads (one in uninterruptible sleep stops late)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (or gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                state = stat.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
+
+
 def freeze(pid: int, first: Iterable[int] = ()) -> frozenset[int]:
     """Stop `pid` and every process below it (SIGSTOP, again for whatever a process forked in the
     meantime, until none is new): the whole program stands still until `thaw`, e.g. from the
@@ -347,7 +367,9 @@ def freeze(pid: int, first: Iterable[int] = ()) -> frozenset[int]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(victim, signal.SIGSTOP)
         stopped |= todo
-        time.sleep(0.001)
+        deadline = time.monotonic() + STOP_WAIT_S  # then a fork it was in has finished: its child is listed
+        while not all(map(all_threads_stopped, todo)) and time.monotonic() < deadline:
+            time.sleep(0.0001)
         todo = ({pid} | below(pid)) - stopped
         if not todo:
             break
