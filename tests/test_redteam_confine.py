@@ -597,15 +597,20 @@ def test_a_programs_ranks_share_a_private_dev_shm_that_leaves_nothing_behind(tmp
     assert not list(Path("/dev/shm").glob(f"{marker}_*"))  # neither the machine's /dev/shm nor a later program's
 
 
+def started_below(pid: int, count: int, timeout_s: float = 20.0) -> set[int]:
+    """The processes below `pid` (a /proc scan) once there are `count` of them, or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := confine.descendants(pid)) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def test_freeze_stops_a_whole_tree_until_thaw():
     tree = subprocess.Popen([sys.executable, "-c", "import os, time\n"
                              "if os.fork() == 0:\n    while True: pass\n"
                              "while True: pass"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
-        while not confine.descendants(tree.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        everyone = {tree.pid} | confine.descendants(tree.pid)
+        everyone = {tree.pid} | started_below(tree.pid, 1)
         assert len(everyone) == 2
 
         def states():
@@ -633,10 +638,7 @@ def test_the_walk_down_the_kernels_children_lists_finds_what_a_scan_of_proc_find
                              "if os.fork() == 0:\n    subprocess.Popen(['sleep', '60']); time.sleep(60)\n"
                              "time.sleep(60)"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 20
-        while len(confine.descendants(tree.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        found = confine.descendants(tree.pid)
+        found = started_below(tree.pid, 3)
         assert len(found) == 3 and confine.below(tree.pid) == found
         if confine._children_lists():  # the main thread's own list lacks the thread's child
             main = {int(c) for c in Path(f"/proc/{tree.pid}/task/{tree.pid}/children").read_text().split()}
@@ -655,9 +657,7 @@ def test_freeze_stops_a_tree_that_keeps_forking():
                              "    time.sleep(0.001)\n"
                              "time.sleep(60)"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
-        while len(confine.descendants(tree.pid)) < 20 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        started_below(tree.pid, 20)
         stopped = confine.freeze(tree.pid)
         time.sleep(0.05)  # a child missed would have been forked by now, and would be running
         below = confine.descendants(tree.pid)
