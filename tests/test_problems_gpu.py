@@ -41,7 +41,7 @@ def test_judge_tells_right_wrong_stale_and_slow_apart_on_one_gpu() -> None:
             verdict = judge(pool, problem, text, warmup=1, iters=2, layout=layout)
             assert not verdict.ok and verdict.failure.startswith("wrong_result"), verdict
         slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), warmup=3, iters=10, layout=layout)
-        assert slow.ok and 0.4 < slow.speedup < 0.7, slow  # the product twice, the wrapper's copies once
+        assert slow.ok and 0.4 < slow.speedup < 0.7, slow  # the product twice, the wrapper's result conversion once
 
 
 @pytest.mark.gpu
