@@ -628,8 +628,8 @@ def test_freeze_stops_a_whole_tree_until_thaw():
 
 
 def test_the_walk_down_the_kernels_children_lists_finds_what_a_scan_of_proc_finds():
-    """`below` (freeze's walk) finds a grandchild and a child forked by a thread other than the
-    main one (the kernel lists it under that thread), as `descendants` (a scan of /proc) does."""
+    """`descendants` (the walk freeze and kill_tree use) finds a grandchild and a child forked by a
+    thread other than the main one (the kernel lists it under that thread), as a scan of /proc does."""
     tree = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys, threading, time\n"
                              "def spawn():\n"
                              "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
@@ -638,8 +638,9 @@ def test_the_walk_down_the_kernels_children_lists_finds_what_a_scan_of_proc_find
                              "if os.fork() == 0:\n    subprocess.Popen(['sleep', '60']); time.sleep(60)\n"
                              "time.sleep(60)"], start_new_session=True)
     try:
-        found = started_below(tree.pid, 3)
-        assert len(found) == 3 and confine.below(tree.pid) == found
+        started_below(tree.pid, 3)
+        found = confine.descendants(tree.pid, confine._parents())  # the scan
+        assert len(found) == 3 and confine.descendants(tree.pid) == found
         if confine._children_lists():  # the main thread's own list lacks the thread's child
             main = {int(c) for c in Path(f"/proc/{tree.pid}/task/{tree.pid}/children").read_text().split()}
             assert len({c for c in found if confine.proc_parent(c) == tree.pid} - main) == 1
@@ -675,7 +676,7 @@ def test_freeze_stops_the_known_program_process_before_it_walks_the_tree(monkeyp
     init = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(60)"], start_new_session=True)
     program = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     seen = []
-    scan = confine.below
+    scan = confine.descendants
 
     def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -687,7 +688,7 @@ def test_freeze_stops_the_known_program_process_before_it_walks_the_tree(monkeyp
         seen.append(state(program.pid))
         return scan(pid, *args)
 
-    monkeypatch.setattr(confine, "below", scanned)
+    monkeypatch.setattr(confine, "descendants", scanned)
     try:
         stopped = confine.freeze(init.pid, [program.pid])
         assert seen and seen[0] == "T" and stopped == {init.pid, program.pid}

@@ -836,13 +836,13 @@ def problems_run(
     judged: list[Any] = []
 
     def record(rows: list[Any]) -> tuple[Path, Path, dict[str, Any]]:
-        totals = summary(rows)
+        totals, table = summary(rows), rows_json(rows)
         payload = {"world_size": gpus, "device": device, "source": str(Path(folder).absolute()),
-                   "solutions": str(solutions) if solutions else None, "summary": totals, "rows": rows_json(rows)}
+                   "solutions": str(solutions) if solutions else None, "summary": totals, "rows": table}
         if len(rows) < len(queued):
             payload["not_judged_yet"] = queued[len(rows):]
         results = write_results(name, payload, out_dir=out_dir, provenance=origin)
-        return results, write_table(rows_json(rows), totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html")), totals
+        return results, write_table(table, totals, f"{name}: {gpus} ranks", out or results.with_suffix(".html")), totals
 
     def progress(row: Any) -> None:
         speed = f"{row.speedup:.2f}x" if row.speedup is not None else "-"

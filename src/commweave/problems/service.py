@@ -211,11 +211,11 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
                 continue
             if make is None:
                 raise RuntimeError(f"{op!r} before any problem was loaded")
+            on_device = send and device.type == "cuda"  # what is sent stays on the GPU (CUDA IPC)
             if op == "inputs":  # several seeds per request: one round trip for a judge's batch
                 if device.type == "cuda":
                     torch.cuda.ipc_collect()  # the draws the judge has let go of since
-                value = [_drawn(make(rank, world_size, seed, device), recorder, send and device.type == "cuda")
-                         for seed in arg]
+                value = [_drawn(make(rank, world_size, seed, device), recorder, on_device) for seed in arg]
             elif op == "trace":
                 args = make(rank, world_size, arg, device)
                 with _Tracer() as tracer:
@@ -224,7 +224,7 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             else:
                 args = make(rank, world_size, arg, device)
                 result = solution(*args)
-                value = _traveling(flatten_result(args if result is None else result), send and device.type == "cuda")
+                value = _traveling(flatten_result(args if result is None else result), on_device)
             conn.send_bytes(_dumps(("ok", value if send else None, "")))
         except Exception as exc:  # noqa: BLE001 - the problem's own failure, reported to the judge
             conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
