@@ -220,6 +220,26 @@ def test_a_batch_draws_its_inputs_in_one_request(pool: WorkerPool, monkeypatch: 
         workers.close()
 
 
+def test_only_the_workload_in_use_holds_draws_and_results(pool: WorkerPool) -> None:
+    """2 CPU ranks' reference workers. Judges keep every workload they built; once the judge uses
+    another, the first lets go of its prefetched draws and cached reference results (on GPUs they
+    are the reference workers' memory, freed only when the judge lets go)."""
+    problem = load_problem(OWN)
+    layout = probe(pool, problem)
+    first = workload_for(problem, layout)
+    second = workload_for(problem, dataclasses.replace(layout, fixed=not layout.fixed))
+    cpu = torch.device("cpu")
+    try:
+        first.prepare_inputs(first.shape, 2, 1, [5, 6, 7], cpu)
+        first.make_inputs(first.shape, 2, 1, 5, cpu)
+        first.reference(first.shape, 2, 1, 5, cpu)
+        assert len(first._drawn[1]) == 2 and len(first._results) == 1
+        second.reference(second.shape, 2, 1, 5, cpu)
+        assert not first._drawn and not first._results and len(second._results) == 1
+    finally:
+        reference_workers(problem, 2, "cpu").close()
+
+
 def test_judge_tells_right_wrong_stale_and_slow_apart(pool: WorkerPool) -> None:
     """2 CPU ranks (gloo). The reference against itself is correct at about 1x; a wrong solution and
     one returning another trial's output fail; one doing the work twice is correct and slower."""

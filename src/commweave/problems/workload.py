@@ -57,6 +57,7 @@ class Layout:
 
 
 _WORKERS: dict[tuple[int, str], ReferenceWorkers] = {}  # this process's reference workers
+_HOLDER: list[ProblemWorkload] = []  # the one workload whose draws and results this process holds
 
 
 def reference_workers(problem: Problem, world_size: int, device: str) -> ReferenceWorkers:
@@ -118,7 +119,19 @@ class ProblemWorkload(Workload):
 
     # -- values -----------------------------------------------------------------------------------
     def _workers(self, world_size: int, device: torch.device) -> ReferenceWorkers:
+        """The reference workers, this workload's problem loaded. The workload the judge used before
+        (judges keep every workload they built) lets go of what it held first: on GPUs its draws
+        and results are the workers' memory, which they free only once the judge lets go."""
+        if _HOLDER and _HOLDER[0] is not self:
+            _HOLDER[0].let_go()
+        _HOLDER[:] = [self]
         return reference_workers(self.problem, world_size, device.type)
+
+    def let_go(self) -> None:
+        """Drop the draws and reference results held for later calls."""
+        self._results.clear()
+        self._next.clear()
+        self._drawn.clear()
 
     def make_inputs(self, shape: Shape, world_size: int, rank: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
         """This rank's tensors in the judge's buffers (their probed shapes), and the skeleton. A
