@@ -54,8 +54,8 @@ def test_reference_workers_hand_draws_over_on_the_gpu_and_get_their_memory_back(
     workers = ReferenceWorkers(1, "cuda")
     try:
         workers.load(load_problem(OWN))
-        tensors = workers.request("inputs", [7, 8], 0)[0][0]
-        again = workers.request("inputs", [7], 0)[0][0]
+        tensors = workers.draws([7, 8], 0)[0][0]
+        again = workers.draws([7], 0)[0][0]
         assert sorted(tensors) == sorted(again) and len(tensors) == 2
         for name, tensor in tensors.items():
             assert tensor.device == torch.device("cuda", 0) and tensor.shape == (1024, 1024)
@@ -66,7 +66,7 @@ def test_reference_workers_hand_draws_over_on_the_gpu_and_get_their_memory_back(
         del tensors, again, result
         free = []
         for first in range(0, 640, 16):
-            draws = workers.request("inputs", list(range(first, first + 16)), 0)
+            draws = workers.draws(list(range(first, first + 16)), 0)
             assert all(t.is_cuda for draw in draws for t in draw[0].values())
             del draws
             free.append(torch.cuda.mem_get_info()[0])

@@ -76,7 +76,7 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, int, 
     workers = reference_workers(Problem.from_json(problem), ctx.world_size, ctx.device.type)
     lengths, pickles, draws = [], [], []
     for seed in (secrets.randbelow(1 << 30), secrets.randbelow(1 << 30)):
-        tensors, packed = workers.request("inputs", [seed], ctx.rank)[0]
+        tensors, packed = workers.draws([seed], ctx.rank)[0]
         draws.append(tensors)
         pickles.append(skeleton_bytes(packed))
         lengths.append(int(workers.request("reference", seed, ctx.rank).numel()))
@@ -87,7 +87,7 @@ def probe_rank(ctx: ProgramContext, problem: str) -> tuple[list[int], int, int, 
             varying += max(t.numel() * t.element_size() for t in (first, second) if t is not None)
     same = not varying and len(draws[0]) == len(draws[1]) and pickles[0] == pickles[1]
     if same:  # a third draw: a scalar drawn from few values may repeat once
-        same = skeleton_bytes(workers.request("inputs", [secrets.randbelow(1 << 30)], ctx.rank)[0][1]) == pickles[0]
+        same = skeleton_bytes(workers.draws([secrets.randbelow(1 << 30)], ctx.rank)[0][1]) == pickles[0]
     constant = pickles[0].hex() if same else ""
     return lengths, max(map(len, pickles)), varying, [[name, list(t.shape)] for name, t in draws[0].items()], constant
 

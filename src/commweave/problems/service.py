@@ -9,8 +9,8 @@ problem's code runs here (the user's trusted reference and input maker), never a
 Requests: ('load', problem) makes it the one they run (workers outlive a problem, so a suite
 starts them once per judge); ('inputs', seeds) -> per seed, this rank's arguments as
 `values.flatten_args` splits them and the groups the input maker made (a judge's batch in one
-round trip); ('reference', seed) -> the reference's result as one vector (on GPUs both stay in
-the worker's memory and reach the judge by CUDA IPC); ('trace', seed) -> the
+round trip, its tensors packed in one buffer); ('reference', seed) -> the reference's result as
+one vector (on GPUs both stay in the worker's memory and reach the judge by CUDA IPC); ('trace', seed) -> the
 ops the reference dispatched (name, its tensor arguments' shapes, dtypes).
 """
 
@@ -42,6 +42,7 @@ from commweave.runtime.pool import release_cached_memory
 START_S = 180.0  # W interpreters importing torch and joining a group, on a loaded machine
 REQUEST_S = 300.0  # one input draw or reference run
 ERROR_GRACE_S = 10.0  # after one worker's error, how long its peers get to answer
+PACK_ALIGN = 256  # bytes: where each tensor of a request's buffer starts
 
 
 class ReferenceError(RuntimeError):
@@ -156,11 +157,47 @@ class _OnDevice:
         return reduce_tensor(self.tensor)
 
 
-def _drawn(args: Any, recorder: _Recorder, on_device: bool) -> tuple[dict[str, Any], Any]:
-    """One draw as it travels: its tensors (on the GPU by IPC where `on_device`, else on the host),
-    its skeleton and the groups made so far."""
+def _drawn(args: Any, recorder: _Recorder) -> tuple[dict[str, torch.Tensor], Any]:
+    """One draw: its tensors, and its skeleton with the groups made so far."""
     tensors, skeleton = flatten_args(args, recorder.index)
-    return {k: _traveling(v, on_device) for k, v in tensors.items()}, (skeleton, list(recorder.order))
+    return tensors, (skeleton, list(recorder.order))
+
+
+Place = tuple[int, torch.dtype, tuple[int, ...]]  # a tensor in a request's buffer: byte offset, dtype, shape
+
+
+def _packed(draws: list[tuple[dict[str, torch.Tensor], Any]], device: torch.device,
+            on_device: bool) -> tuple[Any, list[tuple[dict[str, Place | torch.Tensor], Any]]]:
+    """A request's draws as they travel: every dense tensor's bytes in one buffer on `device` (on
+    GPUs one CUDA IPC mapping a request, where one a tensor cost the judge ~2 ms a call to open and
+    close), each named by its `Place`; a tensor with no dense bytes (sparse, nested, empty) by value."""
+    places: list[dict[str, Place | torch.Tensor]] = []
+    size = 0
+    for tensors, _ in draws:
+        place: dict[str, Place | torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0:
+                place[name] = (size, tensor.dtype, tuple(tensor.shape))
+                size += -(-tensor.numel() * tensor.element_size() // PACK_ALIGN) * PACK_ALIGN
+            else:
+                place[name] = tensor.detach().cpu()
+        places.append(place)
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    for (tensors, _), place in zip(draws, places):
+        for name, where in place.items():
+            if isinstance(where, tuple):
+                unpacked(buffer, where).copy_(tensors[name])
+    return _traveling(buffer, on_device), [(place, rest) for place, (_, rest) in zip(places, draws)]
+
+
+def unpacked(buffer: torch.Tensor, place: Place) -> torch.Tensor:
+    """The tensor at `place` in a request's buffer (a view)."""
+    offset, dtype, shape = place
+    count = 1
+    for d in shape:
+        count *= d
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return buffer[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def _traveling(tensor: torch.Tensor, on_device: bool) -> torch.Tensor | _OnDevice:
@@ -215,7 +252,8 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
             if op == "inputs":  # several seeds per request: one round trip for a judge's batch
                 if device.type == "cuda":
                     torch.cuda.ipc_collect()  # the draws the judge has let go of since
-                value = [_drawn(make(rank, world_size, seed, device), recorder, on_device) for seed in arg]
+                value = _packed([_drawn(make(rank, world_size, seed, device), recorder) for seed in arg], device,
+                                on_device)
             elif op == "trace":
                 args = make(rank, world_size, arg, device)
                 with _Tracer() as tracer:
@@ -311,6 +349,13 @@ class ReferenceWorkers:
             conn.send_bytes(_dumps((op, seed, rank is None or r == rank)))
         answers = self._replies(REQUEST_S, f"to {op!r}")
         return answers if rank is None else answers[rank]
+
+    def draws(self, seeds: list[int], rank: int) -> list[tuple[dict[str, torch.Tensor], Any]]:
+        """Rank `rank`'s arguments drawn from each seed, in one request: its tensors (views of the
+        request's one buffer) and the rest (skeleton, groups)."""
+        buffer, draws = self.request("inputs", seeds, rank)
+        return [({name: unpacked(buffer, where) if isinstance(where, tuple) else where for name, where in place.items()},
+                 rest) for place, rest in draws]
 
     def close(self) -> None:
         for conn in self._conns:

@@ -175,10 +175,10 @@ class ProblemWorkload(Workload):
             part = pending[begin:begin + max(1, PREFETCH_BYTES // (8 * elements + 1))]
             del pending[:begin + len(part)]
             drawn.clear()
-            drawn.update(zip(part, self._workers(world_size, device).request("inputs", part, rank)))
+            drawn.update(zip(part, self._workers(world_size, device).draws(part, rank)))
         if seed in drawn:
             return drawn.pop(seed)
-        return self._workers(world_size, device).request("inputs", [seed], rank)[0]
+        return self._workers(world_size, device).draws([seed], rank)[0]
 
     def make_output(self, shape: Shape, world_size: int, rank: int, device: torch.device) -> torch.Tensor:
         return torch.empty(self.layout.out[rank], dtype=torch.float32, device=device)
