@@ -38,6 +38,7 @@ from commweave.problems.format import Problem
 from commweave.problems.values import flatten_args, flatten_result
 from commweave.runtime.candidate import own_child
 from commweave.runtime.pool import release_cached_memory
+from commweave.runtime.shared_buffers import Reduced
 
 START_S = 180.0  # W interpreters importing torch and joining a group, on a loaded machine
 REQUEST_S = 300.0  # one input draw or reference run
@@ -142,21 +143,6 @@ def _maker(problem: Problem) -> Any:
     return make
 
 
-class _OnDevice:
-    """A GPU tensor (a drawn argument, a reference's result) that reaches the judge by CUDA IPC
-    (torch.multiprocessing's reduction): the judge maps this worker's memory, waits on its IPC
-    event and copies device to device, instead of the bytes going to the host, through torch.save
-    and a socket and back (~6 ms a 4 MiB draw on an H100: most of a problem's timed phase). The
-    worker keeps the memory until the judge lets go (torch's IPC reference count;
-    `torch.cuda.ipc_collect` frees it then)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor.detach()  # whether it asks for gradients travels in the skeleton
-
-    def __reduce__(self) -> tuple:
-        return reduce_tensor(self.tensor)
-
-
 def _drawn(args: Any, recorder: _Recorder) -> tuple[dict[str, torch.Tensor], Any]:
     """One draw: its tensors, and its skeleton with the groups made so far."""
     tensors, skeleton = flatten_args(args, recorder.index)
@@ -200,13 +186,17 @@ def unpacked(buffer: torch.Tensor, place: Place) -> torch.Tensor:
     return buffer[offset:offset + nbytes].view(dtype).view(shape)
 
 
-def _traveling(tensor: torch.Tensor, on_device: bool) -> torch.Tensor | _OnDevice:
-    """A tensor as it goes to the judge: by CUDA IPC where `on_device` and it is a dense GPU tensor
-    with memory behind it (IPC maps an allocation), else its values on the host (sparse, nested,
-    empty, CPU tensors; every tensor on CPU workers)."""
+def _traveling(tensor: torch.Tensor, on_device: bool) -> torch.Tensor | Reduced:
+    """A tensor (a request's buffer of draws, a reference's result) as it goes to the judge: by CUDA
+    IPC where `on_device` and it is a dense GPU tensor with memory behind it (IPC maps an
+    allocation), else its values on the host (sparse, nested, empty, CPU tensors; every tensor on
+    CPU workers). By IPC the judge maps this worker's memory, waits on its event and copies device
+    to device, instead of the bytes going to the host, through torch.save and a socket and back
+    (~6 ms a 4 MiB draw on an H100). The worker keeps the memory until the judge lets go (torch's
+    IPC reference count; `torch.cuda.ipc_collect` frees it then)."""
     if (on_device and tensor.is_cuda and tensor.layout == torch.strided and not tensor.is_nested
             and tensor.untyped_storage().nbytes() > 0):
-        return _OnDevice(tensor)
+        return Reduced(*reduce_tensor(tensor.detach()))  # whether it asks for gradients travels in the skeleton
     return tensor.cpu()
 
 

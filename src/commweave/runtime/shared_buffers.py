@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from commweave.runtime.wire import Channel, decode_bytes, encode_bytes
 
 ALIGN = 256  # bytes: every view starts aligned for vector loads and TMA
-# torch's CUDA IPC reference counters: one uint64 per exported allocation, after the 64-byte header
+# torch's CUDA IPC reference counters: one int64 per exported allocation, after the 64-byte header
 # of ATen's shared-memory file (MapAllocator), named by the handle the reduction carries
 COUNTER_HEADER, COUNTER_BYTES = 64, 8
 
@@ -97,7 +97,7 @@ class SharedBuffers:
                 raise RuntimeError("a judge's GPU block is exported once, by torch's CUDA IPC reduction")
             self._reference = IpcReference(args[11], args[12])  # rebuild_cuda_tensor's ref_counter_handle, _offset
             channel.send({"kind": "cuda", "slots": slots, "nbytes": self.nbytes,
-                          "payload": encode_bytes(bytes(ForkingPickler.dumps(_Reduced(rebuild, args))))})
+                          "payload": encode_bytes(bytes(ForkingPickler.dumps(Reduced(rebuild, args))))})
         else:
             channel.send({"kind": "memfd", "slots": slots, "nbytes": self.nbytes})
             channel.send_fd(self._fd)
@@ -125,8 +125,9 @@ class SharedBuffers:
             self._fd = None
 
 
-class _Reduced:
-    """Pickles as the given reduction (a tensor's, made beforehand so its counter is known)."""
+class Reduced:
+    """Pickles as the given reduction (a CUDA tensor's, made beforehand: here so its counter is
+    known; in the problem service before torch.save sends it)."""
 
     def __init__(self, rebuild: Any, args: tuple):
         self.reduction = (rebuild, args)
