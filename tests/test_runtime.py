@@ -288,6 +288,33 @@ def test_shared_buffers_reach_another_process_by_fd_only():
     buffers.close()
 
 
+_COUNTS = """
+import torch
+from commweave.runtime.shared_buffers import IpcReference
+counts = torch.tensor([0, 0, 0, 0, 7, 0, 9], dtype=torch.int64)
+_, handle, _ = counts.untyped_storage()._share_filename_cpu_()
+counts[5] = 1
+reference = IpcReference(handle, 5)
+print(reference.count)
+reference.void()
+print(*counts.tolist())
+"""
+
+
+def test_the_judge_reads_and_voids_torchs_ipc_reference_counts():
+    """No GPU. torch keeps its CUDA IPC reference counts as int64s in a shared-memory file of ATen's
+    refcounted layout (a 64-byte header first); a CPU storage shared by file name lies in a file of
+    that same layout, so the judge's reading is checked against the installed torch here: the count
+    at an index reads 1, and voiding it zeroes that one only (in a process of its own, whose exit
+    stops torch's shared-memory manager)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COUNTS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "0", "0", "0", "0", "7", "0", "9"]
+
+
 _MAPS_AND_WAITS = """
 import socket, sys, time, torch
 from commweave.runtime.shared_buffers import receive_buffers
