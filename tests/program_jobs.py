@@ -72,3 +72,9 @@ def check_on_gpus(workload: str, program: str, world: int, shape_texts: list[str
             for value in result.values:
                 assert value["inputs_intact"], f"{what} {shape} modified its inputs"
                 assert value["error"] < tolerance, f"{what} {shape}: error {value['error']:.3g}"
+
+
+def device_memory(ctx) -> int:
+    """The bytes torch has allocated on this judge's GPU (its own tensors, not what it maps)."""
+    torch.cuda.synchronize(ctx.device)
+    return torch.cuda.memory_allocated(ctx.device)

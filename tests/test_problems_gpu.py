@@ -2,7 +2,8 @@
 returning another trial's output and one doing the work twice, told apart as on CPU
 (test_problems_cpu.py). At W = 1 the CPU suite's wrong solution (no all-gather) is right, so the
 wrong one here is off by 1 %, ten times the problem's tolerance. The twice-work one reads about
-half: the judge times what the GPU does, not a wait per call. The reference workers hand their
+half: the judge times what the GPU does, not a wait per call, and holds no more memory after them
+than before (its programs' buffers freed once they are killed). The reference workers hand their
 draws over on the GPU and get the memory back once the judge lets go."""
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ def test_judge_tells_right_wrong_stale_and_slow_apart_on_one_gpu() -> None:
         assert layout.fixed and layout.out == (1024 * 1024 + 1,) and all(layout.constant)
         itself = judge(pool, problem, OWN.read_text(), warmup=3, iters=10, layout=layout)
         assert itself.ok and 0.8 < itself.speedup < 1.25, itself
+        allocated = pool.run("program_jobs:device_memory").values[0]
         for text in (WRONG_AT_ONE_RANK, (SOLUTIONS / "stale.py").read_text()):
             verdict = judge(pool, problem, text, warmup=1, iters=2, layout=layout)
             assert not verdict.ok and verdict.failure.startswith("wrong_result"), verdict
         slow = judge(pool, problem, (SOLUTIONS / "slow.py").read_text(), warmup=3, iters=10, layout=layout)
         assert slow.ok and 0.4 < slow.speedup < 0.7, slow  # the product twice, the wrapper's result conversion once
+        grew = (pool.run("program_jobs:device_memory").values[0] - allocated) >> 20
+        assert grew < 256, f"the judge holds {grew} MiB more after three more judges (its programs' buffers?)"
 
 
 @pytest.mark.gpu

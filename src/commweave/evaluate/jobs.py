@@ -340,7 +340,8 @@ class _Program:
             return
         escaped = self.proc.close()
         zygote_alive = self.proc.zygote.alive
-        if self.buffers is not None:
+        if self.buffers is not None:  # the judge's views go first: the block is then freed as the buffers close
+            self.inputs, self.outs, self.input_span, self.out_rows = [], [], None, None
             self.buffers.close()
         if self.ctx.rank == 0:
             remove_rendezvous(self.rendezvous)

@@ -112,7 +112,9 @@ class SharedBuffers:
     def close(self) -> None:
         """Drop the judge's handles (the mapping goes with the last tensor viewing it). Call it once
         the process the block was sent to is dead: its IPC reference is voided, so the block is freed
-        now instead of waiting in torch's limbo for a release that never comes."""
+        now instead of waiting in torch's limbo for a release that never comes. With no view of the
+        block left elsewhere, its memory pool then returns it to the device (a view that outlives
+        the pool leaves the block cached in the judge until the allocator next empties its cache)."""
         if self._reference is not None:
             self._reference.void()
             self._reference = None
