@@ -363,7 +363,8 @@ def test_a_solution_working_in_place_on_its_arguments_is_judged_correct() -> Non
 def test_problems_run_keeps_what_it_judged_when_stopped_midway(tmp_path: Path, monkeypatch) -> None:
     """No ranks: `problems run` rewrites its JSON and HTML after every problem, so a run stopped
     after the first of two (here: the second raises, as a deadline's SIGTERM would end it) leaves
-    the first row on disk and names the other as not judged yet."""
+    the first row on disk and names the other as not judged yet. `--only` keeps its order and
+    names a number that matches no problem."""
     import commweave.problems.suite as suite
 
     def first_then_stopped(problems, world_size, device, solutions=None, *, progress=None, **options):
@@ -372,13 +373,16 @@ def test_problems_run_keeps_what_it_judged_when_stopped_midway(tmp_path: Path, m
 
     monkeypatch.setattr(suite, "run_problems", first_then_stopped)
     result = CliRunner().invoke(app, ["problems", "run", str(HERE / "pkb"), "--device", "cpu", "--gpus", "2",
-                                      "--only", "3,16", "--out-dir", str(tmp_path)])
+                                      "--only", "16,3", "--out-dir", str(tmp_path)])
     assert result.exit_code != 0
     [written] = tmp_path.glob("problems-pkb-cpu-*.json")
     table = json.loads(written.read_text())
-    assert [r["problem"] for r in table["rows"]] == ["3_scaled_allreduce"] and table["summary"]["ok"] == 1
-    assert table["not_judged_yet"] == ["16_matmul_reducescatter"], table
+    assert [r["problem"] for r in table["rows"]] == ["16_matmul_reducescatter"] and table["summary"]["ok"] == 1
+    assert table["not_judged_yet"] == ["3_scaled_allreduce"], table
     assert written.with_suffix(".html").is_file()
+    unknown = CliRunner().invoke(app, ["problems", "run", str(HERE / "pkb"), "--device", "cpu", "--only", "3,999",
+                                       "--out-dir", str(tmp_path)])
+    assert unknown.exit_code == 2 and "999 matches no problem" in " ".join(unknown.output.split()), unknown.output
 
 
 def test_problems_run_writes_json_and_html_with_the_judges_resolution(tmp_path: Path) -> None:

@@ -797,7 +797,7 @@ def problems_run(
     device: str = typer.Option("cuda", "--device", help="cuda, or cpu (gloo)"),
     shape: str = typer.Option(None, "--shape", help="PKB problems: the base shape MxN (default 1024x1024)"),
     dtype: str = typer.Option(None, "--dtype", help="PKB problems: float32, bfloat16, float16 (default bfloat16)"),
-    only: str = typer.Option(None, "--only", help="comma-separated problem numbers or names to run"),
+    only: str = typer.Option(None, "--only", help="comma-separated problem numbers or names to run, in that order"),
     trials: int = typer.Option(5, "--trials", min=2),
     iters: int = typer.Option(30, "--iters", min=1),
     warmup: int = typer.Option(10, "--warmup", min=0),
@@ -824,11 +824,13 @@ def problems_run(
         _check_writable(out_dir, "--out-dir", folder=True)
     except (ProblemError, ValueError) as exc:
         _fail(str(exc))
-    if only:
-        wanted = {w.strip() for w in only.split(",") if w.strip()}
-        found = [p for p in found if p.name in wanted or p.name.split("_")[0] in wanted]
-        if not found:
-            _fail(f"--only {only} matches no problem in {folder}")
+    if only:  # in the order given (a run stopped at a deadline loses the last)
+        by_key = {key: p for p in found for key in (p.name, p.name.split("_")[0])}
+        wanted = list(dict.fromkeys(w.strip() for w in only.split(",") if w.strip()))
+        unknown = [w for w in wanted if w not in by_key]
+        if unknown or not wanted:
+            _fail(f"--only: {', '.join(unknown) or repr(only)} matches no problem in {folder}")
+        found = list(dict.fromkeys(by_key[w] for w in wanted))
 
     name = f"problems-{'pkb' if source == 'pkb' or (Path(folder) / 'reference').is_dir() else Path(folder).name}-{device}"
     origin = Provenance.now()  # one file, rewritten after every problem: a run stopped midway keeps what it judged
