@@ -228,6 +228,7 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
         op, arg, send = _loads(conn.recv_bytes())
         if op == "exit":
             break
+        failed = False
         try:
             if op == "load":
                 release_cached_memory(device)  # the last problem's tensors: this worker outlives problems
@@ -238,27 +239,34 @@ def worker_main(fd: int, rank: int, world_size: int, device_kind: str, store: st
                 continue
             if make is None:
                 raise RuntimeError(f"{op!r} before any problem was loaded")
-            on_device = send and device.type == "cuda"  # what is sent stays on the GPU (CUDA IPC)
+            on_device = device.type == "cuda"  # what is sent stays on the GPU (CUDA IPC)
+            value = None  # every rank runs the request (the maker and reference are collective); one answers
             if op == "inputs":  # several seeds per request: one round trip for a judge's batch
-                if device.type == "cuda":
+                if on_device:
                     torch.cuda.ipc_collect()  # the draws the judge has let go of since
-                value = _packed([_drawn(make(rank, world_size, seed, device), recorder) for seed in arg], device,
-                                on_device)
+                drawn = [_drawn(make(rank, world_size, seed, device), recorder) for seed in arg]
+                if send:
+                    value = _packed(drawn, device, on_device)
             elif op == "trace":
                 args = make(rank, world_size, arg, device)
                 with _Tracer() as tracer:
                     solution(*args)
-                value = tracer.ops
+                if send:
+                    value = tracer.ops
             else:
                 args = make(rank, world_size, arg, device)
                 result = solution(*args)
-                value = _traveling(flatten_result(args if result is None else result), on_device)
-            conn.send_bytes(_dumps(("ok", value if send else None, "")))
+                flat = flatten_result(args if result is None else result)
+                if send:
+                    value = _traveling(flat, on_device)
+            conn.send_bytes(_dumps(("ok", value, "")))
         except Exception as exc:  # noqa: BLE001 - the problem's own failure, reported to the judge
             conn.send_bytes(_dumps(("error", f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
             del exc
-            args = result = value = None  # this failed request's tensors, then what they reserved goes back
-            release_cached_memory(device)
+            failed = True
+        args = result = value = drawn = flat = None  # nothing of a request outlives it but what the judge holds
+        if failed:
+            release_cached_memory(device)  # and what a failed request's tensors reserved goes back
     dist.destroy_process_group()
     os._exit(0)
 
