@@ -224,27 +224,27 @@ def test_a_requests_draws_travel_in_one_buffer_and_come_back_equal() -> None:
     """No ranks. Every dense tensor of a request's draws (any dtype, 0-d, one asking for gradients)
     is packed into one buffer, each aligned, and read back equal as a view of it; a sparse and an
     empty tensor travel by value beside it."""
-    from commweave.problems.service import PACK_ALIGN, _packed, unpacked
+    from commweave.problems.service import _packed, unpacked
+    from commweave.runtime.shared_buffers import ALIGN
 
     gen = torch.Generator().manual_seed(3)
     first = {"a": torch.randn(3, 5, generator=gen), "b": torch.arange(7, dtype=torch.int64),
              "c": torch.randn(4, generator=gen).to(torch.bfloat16), "d": torch.tensor(2.5, requires_grad=True)}
     second = {"a": torch.rand(3, 5, generator=gen) > 0.5, "e": torch.randn(2, 3, generator=gen).t(),
               "s": torch.eye(3).to_sparse(), "z": torch.empty(0, 4)}
-    buffer, draws = _packed([(first, "skeleton 1"), (second, "skeleton 2")], torch.device("cpu"), False)
-    assert buffer.dtype == torch.uint8 and [rest for _, rest in draws] == ["skeleton 1", "skeleton 2"]
-    for made, (place, _) in zip((first, second), draws):
-        assert place.keys() == made.keys()
+    buffer, slots, travel = _packed([(first, "skeleton 1"), (second, "skeleton 2")], torch.device("cpu"), False)
+    assert buffer.dtype == torch.uint8 and all(slot.offset % ALIGN == 0 for slot in slots)
+    back = unpacked(buffer, slots, travel)
+    assert [rest for _, rest in back] == ["skeleton 1", "skeleton 2"]
+    for made, (tensors, _) in zip((first, second), back):
+        assert list(tensors) == list(made)
         for name, tensor in made.items():
-            where = place[name]
-            back = unpacked(buffer, where) if isinstance(where, tuple) else where
-            if name in ("s", "z"):
-                assert not isinstance(where, tuple)
-            else:
-                assert where[0] % PACK_ALIGN == 0 and back.data_ptr() >= buffer.data_ptr()
-                assert back.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-            assert back.dtype == tensor.dtype and back.shape == tensor.shape and not back.requires_grad
-            assert torch.equal(back.to_dense(), tensor.detach().to_dense())
+            came = tensors[name]
+            in_buffer = came.layout == torch.strided and came.numel() > 0 and \
+                came.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert in_buffer == (name not in ("s", "z")), name
+            assert came.dtype == tensor.dtype and came.shape == tensor.shape and not came.requires_grad
+            assert torch.equal(came.to_dense(), tensor.detach().to_dense())
 
 
 def test_only_the_workload_in_use_holds_draws_and_results(pool: WorkerPool) -> None:

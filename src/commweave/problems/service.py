@@ -38,12 +38,11 @@ from commweave.problems.format import Problem
 from commweave.problems.values import flatten_args, flatten_result
 from commweave.runtime.candidate import own_child
 from commweave.runtime.pool import release_cached_memory
-from commweave.runtime.shared_buffers import Reduced
+from commweave.runtime.shared_buffers import Reduced, Slot, layout, views
 
 START_S = 180.0  # W interpreters importing torch and joining a group, on a loaded machine
 REQUEST_S = 300.0  # one input draw or reference run
 ERROR_GRACE_S = 10.0  # after one worker's error, how long its peers get to answer
-PACK_ALIGN = 256  # bytes: where each tensor of a request's buffer starts
 
 
 class ReferenceError(RuntimeError):
@@ -149,41 +148,32 @@ def _drawn(args: Any, recorder: _Recorder) -> tuple[dict[str, torch.Tensor], Any
     return tensors, (skeleton, list(recorder.order))
 
 
-Place = tuple[int, torch.dtype, tuple[int, ...]]  # a tensor in a request's buffer: byte offset, dtype, shape
+Draw = tuple[list[str], dict[str, torch.Tensor], Any]  # a draw as it travels: tensor names, those by value, the rest
 
 
 def _packed(draws: list[tuple[dict[str, torch.Tensor], Any]], device: torch.device,
-            on_device: bool) -> tuple[Any, list[tuple[dict[str, Place | torch.Tensor], Any]]]:
-    """A request's draws as they travel: every dense tensor's bytes in one buffer on `device` (on
-    GPUs one CUDA IPC mapping a request, where one a tensor cost the judge ~2 ms a call to open and
-    close), each named by its `Place`; a tensor with no dense bytes (sparse, nested, empty) by value."""
-    places: list[dict[str, Place | torch.Tensor]] = []
-    size = 0
-    for tensors, _ in draws:
-        place: dict[str, Place | torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            if tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0:
-                place[name] = (size, tensor.dtype, tuple(tensor.shape))
-                size += -(-tensor.numel() * tensor.element_size() // PACK_ALIGN) * PACK_ALIGN
-            else:
-                place[name] = tensor.detach().cpu()
-        places.append(place)
+            on_device: bool) -> tuple[Any, list[Slot], list[Draw]]:
+    """A request's draws as they travel: every dense tensor's bytes in one buffer on `device`, laid
+    out as the judge's shared buffers are (`shared_buffers.layout`, slot '<draw>.<name>'; on GPUs
+    one CUDA IPC mapping a request, where one a tensor cost the judge ~2 ms a call to open and
+    close); a tensor with no dense bytes (sparse, nested, empty) by value."""
+    dense = {f"{i}.{name}": tensor for i, (tensors, _) in enumerate(draws) for name, tensor in tensors.items()
+             if tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0}
+    slots, size = layout({key: (tuple(t.shape), t.dtype) for key, t in dense.items()})
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
-    for (tensors, _), place in zip(draws, places):
-        for name, where in place.items():
-            if isinstance(where, tuple):
-                unpacked(buffer, where).copy_(tensors[name])
-    return _traveling(buffer, on_device), [(place, rest) for place, (_, rest) in zip(places, draws)]
+    for key, view in views(buffer, slots).items():
+        view.copy_(dense[key])
+    travel = [(list(tensors), {n: t.detach().cpu() for n, t in tensors.items() if f"{i}.{n}" not in dense}, rest)
+              for i, (tensors, rest) in enumerate(draws)]
+    return _traveling(buffer, on_device), slots, travel
 
 
-def unpacked(buffer: torch.Tensor, place: Place) -> torch.Tensor:
-    """The tensor at `place` in a request's buffer (a view)."""
-    offset, dtype, shape = place
-    count = 1
-    for d in shape:
-        count *= d
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    return buffer[offset:offset + nbytes].view(dtype).view(shape)
+def unpacked(buffer: torch.Tensor, slots: list[Slot], draws: list[Draw]) -> list[tuple[dict[str, torch.Tensor], Any]]:
+    """What `_packed` sent, as the draws were: each one's tensors (views of the buffer, or by value)
+    in their order, and the rest (skeleton, groups)."""
+    packed = views(buffer, slots)
+    return [({n: loose[n] if n in loose else packed[f"{i}.{n}"] for n in names}, rest)
+            for i, (names, loose, rest) in enumerate(draws)]
 
 
 def _traveling(tensor: torch.Tensor, on_device: bool) -> torch.Tensor | Reduced:
@@ -351,9 +341,7 @@ class ReferenceWorkers:
     def draws(self, seeds: list[int], rank: int) -> list[tuple[dict[str, torch.Tensor], Any]]:
         """Rank `rank`'s arguments drawn from each seed, in one request: its tensors (views of the
         request's one buffer) and the rest (skeleton, groups)."""
-        buffer, draws = self.request("inputs", seeds, rank)
-        return [({name: unpacked(buffer, where) if isinstance(where, tuple) else where for name, where in place.items()},
-                 rest) for place, rest in draws]
+        return unpacked(*self.request("inputs", seeds, rank))
 
     def close(self) -> None:
         for conn in self._conns:
